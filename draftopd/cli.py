@@ -1,0 +1,144 @@
+"""The `draftopd` command line: one entry, one subcommand per job.
+
+Bad input (a missing file, a malformed prompt line, a config typo, a drafter that
+does not fit the target) ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from draftopd.config import ConfigError
+from draftopd.data.prompts import PromptError
+from draftopd.loading import LoadError
+
+USER_ERRORS = (ConfigError, PromptError, LoadError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
+    p.add_argument("--target", default="toy", help="target model directory, or 'toy' (default)")
+    p.add_argument("--prompts", required=True, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    if multi_k:
+        p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4], help="one or more K")
+    else:
+        p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-thinking", action="store_true", help="render prompts with thinking off")
+    p.add_argument("--aux-layer-ids", type=int, nargs="*", default=None, help="target layers the drafter reads")
+    p.add_argument("--dtype", default="float32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftopd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run a recipe: SFT (and later Draft-OPD) of a drafter")
+    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+
+    p = sub.add_parser("generate", help="decode prompts, with or without a drafter, writing step records")
+    _sampling_args(p)
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (omit: target alone)")
+    p.add_argument("--out", required=True, help="output JSONL")
+
+    p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompts")
+    _sampling_args(p, multi_k=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--json", required=True, help="write the report here")
+
+    p = sub.add_parser("make-toy-target", help="rebuild the toy target model from scratch")
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _load_for_sampling(args):
+    from draftopd.data.prompts import encode_chats, read_prompt_file
+    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
+
+    chats = read_prompt_file(args.prompts)  # first, so a bad prompt file fails before loading models
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids, args.dtype)
+    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    prompts = encode_chats(tokenizer, chats, enable_thinking=not args.no_thinking)
+    return tokenizer, target, drafter, prompts, eos_ids(tokenizer, args.target)
+
+
+def cmd_generate(args) -> None:
+    from tqdm import tqdm
+
+    from draftopd.engine.speculative import SamplingConfig
+    from draftopd.evaluate import timed_generate
+    from draftopd.engine.speculative import SpeculativeEngine
+
+    tokenizer, target, drafter, prompts, eos = _load_for_sampling(args)
+    cfg = SamplingConfig(args.max_new_tokens, args.temperature, args.num_draft_tokens, args.seed)
+    with tqdm(total=len(prompts), desc="generate", unit="prompt") as bar:
+        run = timed_generate(SpeculativeEngine(target, drafter, eos), prompts, cfg, args.batch_size, bar)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for t in run.trajectories:
+            row = {"prompt_index": t.prompt_index, "text": tokenizer.decode(t.output_ids, skip_special_tokens=False),
+                   **t.to_dict()}
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(run.trajectories)} lines to {out} ({run.num_tokens} tokens, {run.tokens_per_s:.1f} tokens/s)")
+
+
+def cmd_eval(args) -> None:
+    from tqdm import tqdm
+
+    from draftopd.evaluate import evaluate, format_table
+
+    _, target, drafter, prompts, eos = _load_for_sampling(args)
+    reports, baseline = [], None
+    with tqdm(total=len(prompts) * (1 + len(args.num_draft_tokens)), desc="eval", unit="prompt") as bar:
+        for k in args.num_draft_tokens:
+            report, baseline = evaluate(target, drafter, eos, prompts, k, args.temperature, args.max_new_tokens,
+                                        args.batch_size, args.seed, baseline, bar)
+            reports.append(report)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
+    print(format_table(reports))
+
+
+def cmd_train(args) -> None:
+    from draftopd.config import load_config
+    from draftopd.sft.pipeline import run_sft
+
+    cfg = load_config(args.recipe, args.overrides)
+    run_sft(cfg, sys.argv)
+
+
+def cmd_make_toy_target(args) -> None:
+    from draftopd.toy.target import ToyTargetSpec, make_toy_target
+
+    report = make_toy_target(args.out, ToyTargetSpec(minutes=args.minutes, seed=args.seed))
+    print(json.dumps(report, indent=2))
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "make-toy-target": cmd_make_toy_target}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"draftopd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"draftopd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Prompt files: reading them, checking them, and turning them into token ids with a chat template.
+
+A prompt file is JSONL, one object per line: `{"prompt": "..."}` (a single user
+turn) or `{"messages": [{"role": ..., "content": ...}, ...]}` (a chat whose last
+turn is answered). A malformed line is a `PromptError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+class PromptError(ValueError):
+    """A prompt file or line that cannot be used, with its location in the message."""
+
+
+def _parse_line(obj, where: str) -> list[dict[str, str]]:
+    if not isinstance(obj, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise PromptError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+                raise PromptError(f"{where}: message {i} needs a 'role' in {sorted(ROLES)} and a string 'content'")
+        if msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]  # a reference answer: the prompt is everything before it
+        if not msgs:
+            raise PromptError(f"{where}: no turns left before the assistant answer")
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    if isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}]
+    raise PromptError(f"{where}: needs a string 'prompt' or a 'messages' list (keys: {sorted(obj)})")
+
+
+def read_prompt_file(path: str | Path) -> list[list[dict[str, str]]]:
+    """All chats in a JSONL prompt file; blank lines are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise PromptError(f"prompt file {p} not found")
+    chats = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{p}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            chats.append(_parse_line(obj, f"{p}:{n}"))
+    if not chats:
+        raise PromptError(f"prompt file {p} has no prompts")
+    return chats
+
+
+def toy_prompts(split: str, limit: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Prompts of the toy corpus (`train` or `held_out`), mixed across domains in a fixed order."""
+    import random
+
+    from draftopd.toy.corpus import build_corpus, prompt_only
+
+    train, held = build_corpus(num_arithmetic=4000, seed=1000 + seed)
+    samples = train if split == "train" else held
+    random.Random(seed).shuffle(samples)
+    return [prompt_only(s) for s in samples[:limit]]
+
+
+def encode_chats(tokenizer, chats: list[list[dict[str, str]]], enable_thinking: bool = True) -> list[list[int]]:
+    """Token ids of each chat rendered with the tokenizer's chat template and the assistant prefix."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PromptError("the target's tokenizer has no chat template")
+    out = []
+    for chat in chats:
+        text = tokenizer.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return out
+
+
+def load_prompts(spec: str, split: str, limit: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """`spec` is a JSONL path or `toy`; returns at most `limit` chats."""
+    if spec == "toy":
+        return toy_prompts(split, limit, seed)
+    return read_prompt_file(spec)[:limit]

@@ -1,0 +1,80 @@
+"""Typed records that cross role boundaries: verification steps and trajectories.
+
+These are what Draft-OPD learns from: every verification step of a
+target-assisted rollout exposes where the drafter was wrong. They are plain
+dataclasses of Python ints/floats/lists, so they pickle cheaply through Ray and
+serialise to JSON lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class VerificationStep:
+    """One draft-then-verify step of one sequence.
+
+    Invariants:
+    * `position` is the absolute index (prompt + response) of the first drafted
+      token; the block's anchor (the last committed token, fed to the target with
+      the drafts) sits at `position - 1`;
+    * `draft_tokens`, `draft_logprobs` and `target_logprobs` all have length K;
+      the log-probs are raw log-softmax values (temperature 1) of the drafter and
+      the target for each drafted token, the target's conditioned on the anchor
+      and the drafts before it (so entries past the first rejection are
+      conditioned on the drafter's own rejected prefix);
+    * `0 <= num_accepted <= K`; the first `num_accepted` drafts were accepted,
+      draft `num_accepted` (0-based) is the rejection position when
+      `num_accepted < K`;
+    * `emitted` = accepted drafts + the correction or bonus token, i.e.
+      `num_accepted + 1` tokens, fewer only when the sequence ended inside this
+      step (end-of-sequence or the token budget).
+    """
+
+    position: int
+    draft_tokens: list[int]
+    draft_logprobs: list[float]
+    target_logprobs: list[float]
+    num_accepted: int
+    emitted: list[int]
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.draft_tokens)
+
+    @property
+    def rejected(self) -> bool:
+        return self.num_accepted < len(self.draft_tokens)
+
+
+@dataclass
+class Trajectory:
+    """One generated sequence with its verification records.
+
+    Invariants: `output_ids[0]` comes from the target's prefill; the
+    concatenation of `steps[i].emitted` equals `output_ids[1:]`; every step was
+    drafted by the drafter of `policy_version` (-1: no drafter, target alone).
+    """
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    steps: list[VerificationStep] = field(default_factory=list)
+    finish_reason: str = "length"
+    policy_version: int = -1
+    temperature: float = 0.0
+    num_draft_tokens: int = 0
+    prompt_index: int = -1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        d = dict(d)
+        d["steps"] = [VerificationStep(**s) for s in d.get("steps", [])]
+        return cls(**d)
+
+    @property
+    def full_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

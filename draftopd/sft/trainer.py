@@ -1,0 +1,125 @@
+"""SFT of an EAGLE-3 drafter with training-time test (TTT) on target-written responses.
+
+The loss at depth d compares the drafter's chain step d+1, computed from its own
+fed-back states (`Eagle3Drafter.ttt_forward`), with the target's distribution at
+the same place, restricted to the draft vocabulary: forward KL, weighted
+`depth_decay ** d`, averaged over response positions. The trainer is a plain
+class (no Ray, no DeepSpeed) so tests and the Draft-OPD learner can drive it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from draftopd.config import SFTConfig
+from draftopd.losses import forward_kl, masked_mean, restrict_to_draft_vocab
+
+
+@dataclass
+class SFTExample:
+    """A prompt + target-written response; positions >= prompt_len are the response."""
+
+    ids: list[int]
+    prompt_len: int
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences. `loss_pos[b, j]` is True where position j predicts a response token."""
+
+    input_ids: torch.Tensor
+    valid: torch.Tensor
+    loss_pos: torch.Tensor
+
+
+def collate(examples: list[SFTExample], max_len: int, pad_id: int = 0) -> Batch:
+    seqs = [e.ids[:max_len] for e in examples]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), width, dtype=torch.bool)
+    loss_pos = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (s, e) in enumerate(zip(seqs, examples)):
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+        loss_pos[i, max(e.prompt_len - 1, 0) : len(s) - 1] = True
+    return Batch(ids, valid, loss_pos)
+
+
+def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float) -> tuple[torch.Tensor, dict]:
+    """Weighted forward KL over TTT depths, plus per-depth top-1 agreement with the target."""
+    n = batch.input_ids.shape[1]
+    positions = torch.arange(n).expand_as(batch.input_ids)
+    out = target.forward(batch.input_ids, positions)
+    draft_logits = drafter.ttt_forward(batch.input_ids, out.aux_hidden.to(drafter.fc.weight.dtype), batch.valid, depth)
+    d2t = drafter.draft_to_target_ids()
+    total = torch.zeros((), dtype=torch.float32)
+    metrics = {}
+    for d, logits in enumerate(draft_logits):
+        span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists
+        if span <= 0:
+            break
+        teacher = out.logits[:, 1 + d : 1 + d + span]
+        mask = batch.loss_pos[:, 1 + d : 1 + d + span]
+        kl = forward_kl(restrict_to_draft_vocab(teacher, d2t), logits[:, :span])
+        loss_d = masked_mean(kl, mask)
+        total = total + (decay**d) * loss_d
+        agree = (d2t[logits[:, :span].argmax(-1)] == teacher.argmax(-1)).float()
+        metrics[f"kl_{d}"] = loss_d.item()
+        metrics[f"acc_{d}"] = float(masked_mean(agree, mask))
+    metrics["loss"] = total.item()
+    return total, metrics
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    """Linear warm-up then cosine decay to 10% of the peak."""
+    warm = max(1, int(total * warmup_ratio))
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class SFTTrainer:
+    """Owns the optimizer; `run()` yields one metrics dict per optimizer step."""
+
+    def __init__(self, drafter, target, examples: list[SFTExample], cfg: SFTConfig, seed: int = 0, pad_id: int = 0):
+        if not examples:
+            raise ValueError("no training examples")
+        self.drafter, self.target, self.examples, self.cfg = drafter, target, examples, cfg
+        self.pad_id = pad_id
+        self.rng = random.Random(seed)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.step = 0
+
+    def batches(self):
+        for _ in range(self.cfg.epochs):
+            order = list(range(len(self.examples)))
+            self.rng.shuffle(order)
+            for i in range(0, len(order), self.cfg.batch_size):
+                yield [self.examples[j] for j in order[i : i + self.cfg.batch_size]]
+
+    def train_step(self, examples: list[SFTExample]) -> dict:
+        self.drafter.train()
+        lr = lr_at(self.step, self.total_steps, self.cfg.lr, self.cfg.warmup_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        batch = collate(examples, self.cfg.max_seq_len, self.pad_id)
+        loss, metrics = ttt_loss(self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        metrics.update(step=self.step, lr=lr, grad_norm=float(grad_norm))
+        return metrics
+
+    def run(self):
+        for examples in self.batches():
+            yield self.train_step(examples)

@@ -1,0 +1,42 @@
+"""Tiny random models for tests and for checking the engine's maths on a small vocabulary."""
+
+from __future__ import annotations
+
+import torch
+
+from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftopd.models.target import TargetModel
+
+
+def tiny_target(vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 0, dtype=torch.float64) -> TargetModel:
+    """A random Llama with a small vocabulary; weights scaled up so its distributions are peaked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return TargetModel(model.to(dtype))
+
+
+def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int = 1, **opts) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter for `target`; with `draft_vocab` < vocab it covers the lowest ids plus EOS."""
+    torch.manual_seed(seed)
+    v = target.vocab_size
+    dv = draft_vocab or v
+    cfg = Eagle3Config(
+        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=v, draft_vocab_size=dv, target_hidden_size=target.hidden_size,
+        aux_layer_ids=list(target.aux_layer_ids), **opts,
+    )
+    ids = torch.arange(dv)
+    drafter = Eagle3Drafter(cfg, target.embed_tokens().weight, d2t=ids - ids)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(4.0)
+    return drafter.to(target.dtype)

@@ -26,6 +26,7 @@ import torch
 from draftopd.engine.verify import greedy_verify, rejection_verify, sample
 from draftopd.messages import Trajectory, VerificationStep
 from draftopd.models.eagle3 import Eagle3Drafter
+from draftopd.models.layers import at_least_fp32
 from draftopd.models.target import TargetModel
 
 
@@ -175,7 +176,7 @@ class _Run:
             logits = out.logits[:, -1]
             choice, p = self._pick(logits)
             tokens.append(d2t[choice])
-            logps.append(torch.log_softmax(logits.float(), -1).gather(1, choice[:, None]).squeeze(1))
+            logps.append(torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None]).squeeze(1))
             if p is not None:
                 full = torch.zeros(b, self.e.target.vocab_size, dtype=p.dtype)
                 probs.append(full.index_copy_(1, d2t, p))
@@ -233,53 +234,50 @@ class _Run:
         self.ctx = _Context(fused, emitted[rows, src], positions[rows, src], valid)
 
     def _record(self, drafts, draft_logps, target_logits, accepted, emitted, num_emitted):
+        """Append each row's new tokens, and its VerificationStep when it drafted."""
+        rows = self.active.tolist()
+        new_tokens = [e[:n] for e, n in zip(emitted.tolist(), num_emitted.tolist())]
         if not self.k:
-            for row, tok in enumerate(emitted[:, 0].tolist()):
-                self.trajs[int(self.active[row])].output_ids.append(tok)
+            for r, toks in zip(rows, new_tokens):
+                self.trajs[r].output_ids.extend(toks)
             return
-        t_logps = torch.log_softmax(target_logits[:, :-1].float(), -1).gather(2, drafts[..., None]).squeeze(2)
-        for row in range(drafts.shape[0]):
-            traj = self.trajs[int(self.active[row])]
-            n = int(num_emitted[row])
-            toks = emitted[row, :n].tolist()
-            traj.steps.append(
-                VerificationStep(
-                    position=len(traj.prompt_ids) + len(traj.output_ids),
-                    draft_tokens=drafts[row].tolist(),
-                    draft_logprobs=draft_logps[row].tolist(),
-                    target_logprobs=t_logps[row].tolist(),
-                    num_accepted=int(accepted[row]),
-                    emitted=toks,
-                )
-            )
+        t_logps = torch.log_softmax(target_logits[:, :-1].to(at_least_fp32(target_logits.dtype)), -1)
+        t_logps = t_logps.gather(2, drafts[..., None]).squeeze(2)
+        columns = zip(rows, new_tokens, drafts.tolist(), draft_logps.tolist(), t_logps.tolist(), accepted.tolist())
+        for r, toks, d, d_lp, t_lp, a in columns:
+            traj = self.trajs[r]
+            position = len(traj.prompt_ids) + len(traj.output_ids)
+            traj.steps.append(VerificationStep(position, d, d_lp, t_lp, a, toks))
             traj.output_ids.extend(toks)
 
     def _finished_rows(self, emitted: torch.Tensor, num_emitted: torch.Tensor) -> list[int]:
         """Cut each row's new tokens at end-of-sequence or the budget; return the rows that are done."""
-        done = []
-        for row in range(emitted.shape[0]):
+        width = emitted.shape[1]
+        is_new = torch.arange(width)[None] < num_emitted[:, None]
+        hit = torch.isin(emitted, self.e.eos) & is_new
+        first_hit = torch.where(hit.any(1), hit.float().argmax(1), width)  # index within the new tokens
+        lengths = torch.tensor([len(self.trajs[r].output_ids) for r in self.active.tolist()])
+        stop_at = lengths - num_emitted + first_hit + 1  # output length if cut right after the EOS
+        over = lengths >= self.cfg.max_new_tokens
+        candidates = (hit.any(1) | over).nonzero().squeeze(1).tolist()
+        for row in candidates:
             traj = self.trajs[int(self.active[row])]
-            n = int(num_emitted[row])
-            new = emitted[row, :n]
-            hits = torch.isin(new, self.e.eos).nonzero()
-            start = len(traj.output_ids) - n
-            cut = None
-            if hits.numel():
-                cut, traj.finish_reason = start + int(hits[0]) + 1, "stop"
-            if len(traj.output_ids) >= self.cfg.max_new_tokens and (cut is None or cut > self.cfg.max_new_tokens):
-                cut, traj.finish_reason = self.cfg.max_new_tokens, "length"
-            if cut is not None:
-                drop = len(traj.output_ids) - cut
-                if drop and traj.steps:
-                    traj.steps[-1].emitted = traj.steps[-1].emitted[: len(traj.steps[-1].emitted) - drop]
-                del traj.output_ids[cut:]
-                done.append(row)
-        return done
+            cut, traj.finish_reason = (int(stop_at[row]), "stop") if hit[row].any() else (len(traj.output_ids), "")
+            if cut > self.cfg.max_new_tokens or not traj.finish_reason:
+                cut, traj.finish_reason = min(cut, self.cfg.max_new_tokens), "length"
+            drop = len(traj.output_ids) - cut
+            if drop and traj.steps:
+                last = traj.steps[-1]
+                last.emitted = last.emitted[: len(last.emitted) - drop]
+            del traj.output_ids[cut:]
+        return candidates
 
     def _retire(self, rows: list[int]):
         if not rows:
             return
-        keep = torch.tensor([r for r in range(self.active.numel()) if r not in set(rows)], dtype=torch.long)
+        keep_mask = torch.ones(self.active.numel(), dtype=torch.bool)
+        keep_mask[rows] = False
+        keep = keep_mask.nonzero().squeeze(1)
         self.active = self.active[keep]
         if not keep.numel():
             return

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftopd.models.layers import MLP, RMSNorm, apply_rope, rope_cos_sin
+from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, rope_cos_sin
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -248,7 +248,7 @@ class Eagle3Drafter(nn.Module):
             scores0 = scores0.masked_fill(~mask0[:, None], float("-inf"))
             diag = torch.stack([(q * kk).sum(-1) * scale for kk in ks[1:]], dim=-1) if d else None
             scores = scores0 if diag is None else torch.cat([scores0, diag], dim=-1)
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).nan_to_num(0.0)
+            probs = torch.softmax(scores.to(at_least_fp32(q.dtype)), dim=-1).to(q.dtype).nan_to_num(0.0)
             o = probs[..., :n] @ vs[0]
             for e in range(1, d + 1):
                 o = o + probs[..., n + e - 1 : n + e] * vs[e]

@@ -6,6 +6,11 @@ import torch
 from torch import nn
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, the dtype itself otherwise (float64 tests stay float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, computed in float32 like the reference and the serving engines."""
 
@@ -16,9 +21,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        xf = x.to(at_least_fp32(dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
 
 
 class MLP(nn.Module):

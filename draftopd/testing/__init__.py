@@ -8,8 +8,9 @@ from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftopd.models.target import TargetModel
 
 
-def tiny_target(vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 0, dtype=torch.float64) -> TargetModel:
-    """A random Llama with a small vocabulary; weights scaled up so its distributions are peaked."""
+def tiny_target(vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 0, dtype=torch.float64,
+                sharpness: float = 3.0) -> TargetModel:
+    """A random Llama with a small vocabulary; `sharpness` scales its head so distributions are peaked."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -21,7 +22,7 @@ def tiny_target(vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(sharpness)
     return TargetModel(model.to(dtype))
 
 
@@ -40,3 +41,23 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
     with torch.no_grad():
         drafter.lm_head.weight.mul_(4.0)
     return drafter.to(target.dtype)
+
+
+def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, seed: int = 0, **opts) -> Eagle3Drafter:
+    """A drafter trained briefly (seconds) on the tiny target's own samples, so that drafts get accepted."""
+    from draftopd.config import SFTConfig
+    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+    from draftopd.sft.trainer import SFTExample, SFTTrainer
+
+    g = torch.Generator().manual_seed(seed)
+    v = target.vocab_size
+    prompts = [torch.randint(2, v, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (64,), generator=g)]
+    trajs = SpeculativeEngine(target, None, [1]).generate(prompts, SamplingConfig(max_new_tokens=40, temperature=1.0))
+    examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
+    drafter = tiny_drafter(target, seed=seed + 1, **opts)
+    cfg = SFTConfig(epochs=max(1, steps // 4), batch_size=16, lr=3e-3, ttt_depth=k_depth)
+    trainer = SFTTrainer(drafter, target, examples, cfg, seed)
+    for _ in trainer.run():
+        if trainer.step >= steps:
+            break
+    return drafter.eval()

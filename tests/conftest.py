@@ -1,0 +1,19 @@
+"""Shared fixtures: tiny random models (float64, so exactness tests test the algorithm, not rounding)."""
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than they save
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    from draftopd.testing import tiny_target, train_tiny_drafter
+
+    target = tiny_target(vocab=16)
+    return target, train_tiny_drafter(target)
+
+
+def random_prompts(n: int, vocab: int, seed: int, max_len: int = 9) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(m),), generator=g).tolist() for m in torch.randint(1, max_len, (n,), generator=g)]

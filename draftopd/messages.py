@@ -78,3 +78,25 @@ class Trajectory:
     @property
     def full_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class ErrorState:
+    """A verification step worth replaying, with the trajectory that gives its context.
+
+    Invariants: `trajectory.steps[step_index]` is the step; its prefix is
+    `trajectory.full_ids[: step.position]` (the anchor is the last token of it);
+    the rejected draft block is `step.draft_tokens[step.num_accepted:]` with the
+    target's log-probs `step.target_logprobs[step.num_accepted:]`; the accepted
+    stream around it is the rest of `trajectory.output_ids`. `policy_version` is
+    the drafter version that drafted it; `weight` is its sampling weight (> 0).
+    """
+
+    trajectory: Trajectory
+    step_index: int
+    policy_version: int
+    weight: float = 1.0
+
+    @property
+    def step(self) -> VerificationStep:
+        return self.trajectory.steps[self.step_index]

@@ -22,9 +22,20 @@ from draftopd.sft.trainer import SFTExample, SFTTrainer
 from draftopd.sft.vocab import build_draft_vocab, coverage
 
 
+def _fingerprint(cfg: Config, prompt_ids) -> str:
+    """What the cached responses depend on: target, prompts and decoding settings."""
+    import hashlib
+
+    key = json.dumps([cfg.target.path, cfg.target.dtype, prompt_ids, cfg.data.response_temperature,
+                      cfg.data.max_new_tokens, cfg.run.seed, cfg.data.generate_batch_size])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def make_responses(target, eos, prompt_ids, cfg: Config, cache_path) -> list[Trajectory]:
     """The target answers every training prompt; cached in the run directory so a rerun reuses them."""
+    cache_path = cache_path.with_name(f"{cache_path.stem}-{_fingerprint(cfg, prompt_ids)}.jsonl")
     if cache_path.is_file():
+        print(f"reusing target responses from {cache_path}")
         return [Trajectory.from_dict(json.loads(line)) for line in cache_path.read_text().splitlines()]
     engine = SpeculativeEngine(target, None, eos)
     sampling = SamplingConfig(cfg.data.max_new_tokens, cfg.data.response_temperature, 0, cfg.run.seed)

@@ -1,0 +1,55 @@
+"""Recipes resolve against the schema; typos and wrong types are errors that say where."""
+
+from pathlib import Path
+
+import pytest
+
+from draftopd.config import Config, ConfigError, load_config
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(recipe):
+    cfg = load_config(recipe)
+    assert isinstance(cfg, Config)
+    assert cfg.sft.ttt_depth >= 1 and cfg.drafter.draft_vocab_size > 0
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(None, ["sft.epochs=5", "drafter.norm_output=true", "eval.num_draft_tokens=[2,3]"])
+    assert cfg.sft.epochs == 5 and cfg.drafter.norm_output is True and cfg.eval.num_draft_tokens == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sft.epoch=5", "unknown config key 'sft.epoch'; did you mean 'sft.epochs'?"),
+        ("sftt.epochs=1", "unknown config key 'sftt'; did you mean 'sft'?"),
+        ("drafter.norm_outptu=true", "did you mean 'drafter.norm_output'?"),
+    ],
+)
+def test_unknown_keys_name_the_closest(override, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match="sft.epochs"):
+        load_config(None, ["sft.epochs=many"])
+
+
+def test_recipe_typo_is_an_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft:\n  lr: 0.001\n  ttt_dept: 3\n")
+    with pytest.raises(ConfigError, match="sft.ttt_depth"):
+        load_config(bad)
+
+
+def test_missing_recipe_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")

@@ -221,7 +221,12 @@ class Eagle3Drafter(nn.Module):
         return DrafterStep(logits=logits, state=new_state, keys=k, values=v)
 
     def ttt_forward(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, key_valid: torch.Tensor, depth: int
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        key_valid: torch.Tensor,
+        depth: int,
+        depth_tokens: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test over whole sequences; returns draft logits per depth, [B, L-1, Vd] each.
 
@@ -229,6 +234,8 @@ class Eagle3Drafter(nn.Module):
         reads (own state from depth d-1, token_{t+1+d}) at position t+d and sees the
         depth-0 keys of rows <= t plus its own row at depths 1..d, which is exactly
         what a chain of drafts started after token t+1 sees at inference.
+        `depth_tokens` [B, depth, L-1], when given, replaces the teacher-forced input
+        tokens of depths >= 1 (Draft-OPD replays the drafter's own drafts this way).
         """
         b, n = input_ids.shape[0], input_ids.shape[1] - 1
         attn = self.midlayer.self_attn
@@ -239,7 +246,10 @@ class Eagle3Drafter(nn.Module):
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         ks, vs, outs = [], [], []
         for d in range(depth):
-            tokens = torch.roll(input_ids, shifts=-(1 + d), dims=1)[:, :n]  # token_{t+1+d}; tail rows unused
+            if d and depth_tokens is not None:
+                tokens = depth_tokens[:, d]
+            else:
+                tokens = torch.roll(input_ids, shifts=-(1 + d), dims=1)[:, :n]  # token_{t+1+d}; tail rows unused
             x, residual = self._attn_input(tokens, state)
             q, k, v = attn.qkv(x, pos + d)
             ks.append(k)

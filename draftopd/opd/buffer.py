@@ -1,0 +1,162 @@
+"""Replay buffer of verification-exposed error states, the learner's input in Draft-OPD.
+
+Rollout workers produce trajectories whose verification steps show where the
+drafter was wrong; the learner replays the drafter's own block at those places.
+Rollout and learning run at different paces, so states are kept, sampled many
+times and retired when the drafter that made them is too old (`max_staleness`
+policy versions behind). Every removal (FIFO eviction, staleness) is counted,
+so a shrinking buffer is never a mystery on the dashboard. This is a plain class;
+the Ray actor that hosts it is a thin wrapper elsewhere.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+
+from draftopd.messages import ErrorState, Trajectory, VerificationStep
+
+SAMPLINGS = ("uniform", "error_weighted")
+_STATE_DICT_FORMAT = 1
+_COUNTERS = ("num_added", "num_evicted", "num_stale_discarded", "num_sampled")
+
+
+@dataclass
+class BufferConfig:
+    capacity: int = 4096
+    """Most error states held; beyond it the oldest (by insertion) are evicted."""
+    max_staleness: int = 4
+    """A state drafted by policy version v is discarded once the current version is > v + max_staleness."""
+    sampling: str = "uniform"
+    """How states are drawn: "uniform", or "error_weighted" (proportional to the number of rejected drafts)."""
+    include_accepted_steps: bool = False
+    """Also keep fully accepted steps, which carry no rejection (weight 1)."""
+    seed: int = 0
+    """Seed of the sampling RNG."""
+
+
+class ReplayBuffer:
+    """Error states in insertion order, with counters for everything that enters or leaves."""
+
+    def __init__(self, cfg: BufferConfig):
+        if cfg.sampling not in SAMPLINGS:
+            raise ValueError(f"unknown buffer sampling {cfg.sampling!r}; expected one of {', '.join(SAMPLINGS)}")
+        if cfg.capacity < 1:
+            raise ValueError(f"buffer capacity must be at least 1, got {cfg.capacity}")
+        self.cfg = cfg
+        self._states: list[ErrorState] = []
+        self._rng = random.Random(cfg.seed)
+        self.num_added = self.num_evicted = self.num_stale_discarded = self.num_sampled = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    # -- in and out ----------------------------------------------------------
+
+    def add(self, trajectories: list[Trajectory]) -> int:
+        """Keep the error states of `trajectories`; returns how many were added (evictions aside)."""
+        new = [state for traj in trajectories for state in self._error_states(traj)]
+        self._states.extend(new)
+        self.num_added += len(new)
+        self._evict_overflow()
+        return len(new)
+
+    def prune(self, current_version: int) -> int:
+        """Drop states too stale for `current_version`; returns how many."""
+        keep = [s for s in self._states if current_version - s.policy_version <= self.cfg.max_staleness]
+        dropped = len(self._states) - len(keep)
+        self._states = keep
+        self.num_stale_discarded += dropped
+        return dropped
+
+    def sample(self, n: int, current_version: int) -> list[ErrorState]:
+        """`n` states (after pruning), without replacement when enough are held; they stay in the buffer."""
+        self.prune(current_version)
+        if n <= 0 or not self._states:
+            return []
+        weighted = self.cfg.sampling == "error_weighted"
+        if len(self._states) < n:
+            weights = [s.weight for s in self._states] if weighted else None
+            picked = self._rng.choices(self._states, weights=weights, k=n)
+        elif weighted:
+            picked = self._weighted_without_replacement(n)
+        else:
+            picked = self._rng.sample(self._states, n)
+        self.num_sampled += len(picked)
+        return picked
+
+    def stats(self, current_version: int | None = None) -> dict:
+        """Counters, and with `current_version` the mean and max staleness of the held states."""
+        out = {"size": len(self._states), **{name: getattr(self, name) for name in _COUNTERS}}
+        if current_version is not None:
+            ages = [current_version - s.policy_version for s in self._states]
+            out["mean_staleness"] = sum(ages) / len(ages) if ages else 0.0
+            out["max_staleness"] = float(max(ages)) if ages else 0.0
+        return out
+
+    # -- helpers -------------------------------------------------------------
+
+    def _error_states(self, traj: Trajectory) -> list[ErrorState]:
+        if traj.steps and traj.policy_version < 0:
+            # A drafter made these steps, but which one is unknown: staleness would be meaningless.
+            raise ValueError("trajectory has verification steps but policy_version < 0 (no drafter version)")
+        keep = self.cfg.include_accepted_steps
+        return [
+            ErrorState(traj, i, policy_version=traj.policy_version, weight=self._weight(step))
+            for i, step in enumerate(traj.steps)
+            if keep or step.rejected
+        ]
+
+    def _weight(self, step: VerificationStep) -> float:
+        if self.cfg.sampling != "error_weighted":
+            return 1.0
+        return float(max(1, step.num_drafted - step.num_accepted))
+
+    def _evict_overflow(self):
+        overflow = len(self._states) - self.cfg.capacity
+        if overflow > 0:
+            del self._states[:overflow]
+            self.num_evicted += overflow
+
+    def _weighted_without_replacement(self, n: int) -> list[ErrorState]:
+        # Efraimidis-Spirakis: key u^(1/w) per state, keep the n largest.
+        keys = [self._rng.random() ** (1.0 / s.weight) for s in self._states]
+        top = heapq.nlargest(n, range(len(keys)), key=keys.__getitem__)
+        return [self._states[i] for i in top]
+
+    # -- checkpointing -------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Held states, counters and RNG state as JSON-serialisable plain data; shared trajectories stored once."""
+        index: dict[int, int] = {}
+        trajectories = []
+        states = []
+        for s in self._states:
+            if id(s.trajectory) not in index:
+                index[id(s.trajectory)] = len(trajectories)
+                trajectories.append(s.trajectory.to_dict())
+            states.append([index[id(s.trajectory)], s.step_index, s.policy_version, s.weight])
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "format": _STATE_DICT_FORMAT,
+            "trajectories": trajectories,
+            "states": states,
+            "counters": {name: getattr(self, name) for name in _COUNTERS},
+            "rng_state": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, d: dict):
+        """Restore what `state_dict` saved (also after a JSON round trip); the config stays this buffer's."""
+        if d.get("format") != _STATE_DICT_FORMAT:
+            raise ValueError(f"unsupported replay buffer state format {d.get('format')!r}")
+        trajectories = [Trajectory.from_dict(t) for t in d["trajectories"]]
+        self._states = [
+            ErrorState(trajectories[t], step_index, policy_version=version, weight=weight)
+            for t, step_index, version, weight in d["states"]
+        ]
+        for name in _COUNTERS:
+            setattr(self, name, int(d["counters"][name]))
+        version, internal, gauss = d["rng_state"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._evict_overflow()  # a smaller capacity than the saved buffer's: counted like any eviction

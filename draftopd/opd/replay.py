@@ -1,0 +1,156 @@
+"""Error-position replay: rebuild the drafter's own chains at recorded verification steps and score them.
+
+For a step whose first draft sits at absolute position P, the drafter's last
+context row is t = P - 2 (target state at P - 2 paired with the anchor token at
+P - 1); chain depth d predicts draft d + 1 and, for d >= 1, reads the drafter's
+own draft d as input. `Eagle3Drafter.ttt_forward` with those tokens at row t
+therefore recomputes exactly the chain of the rollout (the tests check that the
+replayed log-probs equal the recorded ones when the weights are the same).
+
+Two streams per step with `a` accepted drafts out of K:
+* accepted (target-distributed) stream: depths 0..a, whose context is the target's
+  own text; divergence to the target's full distribution at position P - 1 + d;
+* rejected-draft stream: depths a..K-1, the drafter's rejected block scored
+  token by token with the k3 estimator against the recorded target log-probs
+  (which are conditioned on the drafter's own rejected prefix).
+Depth d is weighted decay**d (offset within the block, as in the reference);
+the two streams are combined as one global weighted token mean.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from draftopd.losses import restrict_to_draft_vocab
+from draftopd.messages import ErrorState
+from draftopd.opd.losses import DIVERGENCES, bernoulli_forward_kl, k3, two_stream_mean
+
+
+@dataclass
+class ReplayBatch:
+    """Rows are trajectories; per-depth tensors are [B, D, L-1], indexed by the drafter row t."""
+
+    input_ids: torch.Tensor
+    valid: torch.Tensor
+    depth_tokens: torch.Tensor
+    acc_weight: torch.Tensor
+    rej_weight: torch.Tensor
+    rej_draft_idx: torch.Tensor
+    rej_target_logp: torch.Tensor
+    num_steps: int
+
+
+def target_to_draft_index(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] long: the draft id of each target id, -1 where the draft vocabulary lacks it."""
+    idx = torch.full((vocab_size,), -1, dtype=torch.long)
+    idx[draft_to_target] = torch.arange(len(draft_to_target))
+    return idx
+
+
+def _group(states: list[ErrorState]) -> list[list[ErrorState]]:
+    """Error states of the same trajectory object share one row."""
+    groups: dict[int, list[ErrorState]] = defaultdict(list)
+    for s in states:
+        groups[id(s.trajectory)].append(s)
+    return list(groups.values())
+
+
+def build_replay_batch(states: list[ErrorState], t2d_index: torch.Tensor, depth: int, decay: float,
+                       max_len: int, pad_id: int = 0) -> ReplayBatch:
+    groups = _group(states)
+    seqs = [g[0].trajectory.full_ids[:max_len] for g in groups]
+    b, width = len(seqs), max(len(s) for s in seqs)
+    n = width - 1
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+    shape = (b, depth, n)
+    # Teacher-forced tokens everywhere (token t+1+d at row t); anchor rows get their own drafts below.
+    depth_tokens = torch.stack([torch.roll(ids, -(1 + d), 1)[:, :n] for d in range(depth)], 1)
+    acc_w, rej_w = torch.zeros(shape), torch.zeros(shape)
+    rej_idx, rej_t = torch.zeros(shape, dtype=torch.long), torch.zeros(shape)
+    used = 0
+    for row, group in enumerate(groups):
+        length = len(seqs[row])
+        for state in group:
+            step = state.step
+            t, a, k = step.position - 2, step.num_accepted, min(len(step.draft_tokens), depth)
+            if t < 0 or step.position > length - 1:
+                continue  # cut off by max_len
+            used += 1
+            for d in range(k):
+                if d:
+                    depth_tokens[row, d, t] = step.draft_tokens[d - 1]
+                if d <= a and t + 1 + d <= length - 1:
+                    acc_w[row, d, t] = decay**d
+                if d >= a:
+                    rej_w[row, d, t] = decay**d
+                    rej_idx[row, d, t] = max(int(t2d_index[step.draft_tokens[d]]), 0)
+                    rej_t[row, d, t] = step.target_logprobs[d]
+    return ReplayBatch(ids, valid, depth_tokens, acc_w, rej_w, rej_idx, rej_t, used)
+
+
+@dataclass
+class OPDLossConfig:
+    """How the two streams are scored and mixed (see opd/losses.py)."""
+
+    accepted_divergence: str = "forward_kl"
+    acc_coef: float = 1.0
+    rej_coef: float = 1.0
+
+
+def replay_forward(drafter, target, batch: ReplayBatch):
+    """Target pass (no grad) and the drafter's replayed chains; returns (target logits, [B, D, n, Vd] logits)."""
+    n = batch.input_ids.shape[1]
+    out = target.forward(batch.input_ids, torch.arange(n).expand_as(batch.input_ids))
+    aux = out.aux_hidden.to(drafter.fc.weight.dtype)
+    depth = batch.depth_tokens.shape[1]
+    logits = drafter.ttt_forward(batch.input_ids, aux, batch.valid, depth, batch.depth_tokens)
+    return out.logits, torch.stack(logits, 1)
+
+
+def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_index, d: int, span: int):
+    """Per-row divergence at depth d between the target (position t + 1 + d) and the drafter."""
+    teacher = t_logits[:, 1 + d : 1 + d + span]
+    student = d_logits[:, d, :span]
+    if kind != "bernoulli_fkl":
+        return DIVERGENCES[kind](restrict_to_draft_vocab(teacher, d2t), student)
+    # Reference proxy from two scalars: both models' log-probs of the token the target emitted there.
+    gold = torch.roll(input_ids, -(2 + d), 1)[:, :span]
+    draft_id = t2d_index[gold]
+    t_lp = torch.log_softmax(teacher.float(), -1).gather(2, gold[..., None]).squeeze(2)
+    s_lp = torch.log_softmax(student.float(), -1).gather(2, draft_id.clamp_min(0)[..., None]).squeeze(2)
+    return torch.where(draft_id >= 0, bernoulli_forward_kl(t_lp, s_lp), torch.zeros_like(t_lp))
+
+
+def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig) -> tuple[torch.Tensor, dict]:
+    """The two-stream Draft-OPD loss on a replay batch, with per-stream metrics."""
+    if cfg.accepted_divergence not in (*DIVERGENCES, "bernoulli_fkl"):
+        raise ValueError(f"unknown accepted_divergence '{cfg.accepted_divergence}'")
+    t_logits, d_logits = replay_forward(drafter, target, batch)
+    b, depth, n, _ = d_logits.shape
+    d2t = drafter.draft_to_target_ids()
+    t2d_index = target_to_draft_index(d2t, target.vocab_size)
+    acc = torch.zeros(b, depth, n)
+    for d in range(depth):
+        span = n - d  # rows whose teacher position t + 1 + d exists
+        acc[:, d, :span] = _accepted_divergence(cfg.accepted_divergence, t_logits, d_logits, batch.input_ids,
+                                                d2t, t2d_index, d, span)
+    s_logp = torch.log_softmax(d_logits.float(), -1).gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
+    rej = k3(batch.rej_target_logp, s_logp)
+    acc_w, rej_w = batch.acc_weight, batch.rej_weight
+    loss = two_stream_mean(acc, acc_w, rej, rej_w, cfg.acc_coef, cfg.rej_coef)
+    metrics = {
+        "loss": loss.item(),
+        "loss_accepted": float((acc.detach() * acc_w).sum() / acc_w.sum().clamp_min(1e-12)),
+        "loss_rejected": float((rej.detach() * rej_w).sum() / rej_w.sum().clamp_min(1e-12)),
+        "num_accepted_tokens": int((acc_w > 0).sum()),
+        "num_rejected_tokens": int((rej_w > 0).sum()),
+        "num_replayed_steps": batch.num_steps,
+    }
+    return loss, metrics

@@ -1,0 +1,86 @@
+"""Draft-OPD maths: the estimators, and replay that rebuilds exactly the rollout's own chains."""
+
+import math
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.messages import ErrorState
+from draftopd.opd.losses import bernoulli_forward_kl, jsd, k3, total_variation, two_stream_mean
+from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, replay_forward, target_to_draft_index
+
+
+def test_k3_values_and_gradient():
+    t = torch.tensor([-1.0, -2.0, -0.5])
+    s = torch.tensor([-1.0, -0.5, -3.0], requires_grad=True)
+    loss = k3(t, s)
+    d = t - s.detach()
+    assert torch.allclose(loss, d.exp() - d - 1)
+    assert loss[0] == 0 and (loss >= 0).all()
+    loss.sum().backward()
+    assert torch.allclose(s.grad, 1 - d.exp())  # pushes s down where the target likes the token less
+    assert k3(torch.tensor([0.0]), torch.tensor([-50.0])).item() == 10.0  # loss clamp
+
+
+def test_bernoulli_proxy_matches_two_outcome_kl():
+    t, s = torch.tensor([math.log(0.7)]), torch.tensor([math.log(0.4)])
+    want = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
+    assert bernoulli_forward_kl(t, s).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_jsd_and_tv_on_known_distributions():
+    p = torch.tensor([[0.5, 0.5, 0.0]]).clamp_min(1e-30).log()
+    q_logits = torch.tensor([[0.0, 0.0, -1e9]])
+    assert jsd(p, q_logits).item() == pytest.approx(0.0, abs=1e-6)
+    assert total_variation(p, torch.tensor([[0.0, -1e9, -1e9]])).item() == pytest.approx(0.5, abs=1e-6)
+
+
+def test_two_stream_mean_is_a_global_weighted_mean():
+    acc, rej = torch.tensor([1.0, 3.0]), torch.tensor([10.0])
+    got = two_stream_mean(acc, torch.tensor([1.0, 0.5]), rej, torch.tensor([0.8]), 1.0, 2.0)
+    assert got.item() == pytest.approx((1 * 1 + 0.5 * 3 + 2 * 0.8 * 10) / (1.5 + 2 * 0.8))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replay_rebuilds_the_recorded_chains(tiny_pair, temperature):
+    """With the rollout's weights, replayed log-probs of every draft equal the recorded ones."""
+    target, drafter = tiny_pair
+    k = 4
+    trajs = SpeculativeEngine(target, drafter, [1]).generate(random_prompts(6, 16, seed=4),
+                                                             SamplingConfig(30, temperature, k, seed=1))
+    states = [ErrorState(t, i, 0) for t in trajs for i in range(len(t.steps))]
+    t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
+    batch = build_replay_batch(states, t2d, depth=k, decay=0.8, max_len=512)
+    assert batch.num_steps == len(states)
+    _, d_logits = replay_forward(drafter, target, batch)
+    logp = torch.log_softmax(d_logits, -1)
+    rows = {tid: r for r, tid in enumerate(dict.fromkeys(id(s.trajectory) for s in states))}
+    checked = 0
+    for s in states:
+        row, t = rows[id(s.trajectory)], s.step.position - 2
+        for d, tok in enumerate(s.step.draft_tokens):
+            assert logp[row, d, t, int(t2d[tok])].item() == pytest.approx(s.step.draft_logprobs[d], abs=1e-9)
+            checked += 1
+    assert checked == k * len(states)
+
+
+def test_replay_streams_follow_the_acceptance(tiny_pair):
+    target, drafter = tiny_pair
+    trajs = SpeculativeEngine(target, drafter, [1]).generate(random_prompts(4, 16, seed=8), SamplingConfig(30, 0.0, 5))
+    states = [ErrorState(t, i, 0) for t in trajs for i, s in enumerate(t.steps) if s.rejected]
+    t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
+    batch = build_replay_batch(states, t2d, depth=5, decay=0.8, max_len=512)
+    rows = {tid: r for r, tid in enumerate(dict.fromkeys(id(s.trajectory) for s in states))}
+    for s in states:
+        row, t, a = rows[id(s.trajectory)], s.step.position - 2, s.step.num_accepted
+        acc = [d for d in range(5) if batch.acc_weight[row, d, t] > 0]
+        rej = [d for d in range(5) if batch.rej_weight[row, d, t] > 0]
+        assert rej == list(range(a, 5)) and acc == list(range(0, min(a, 4) + 1))
+        assert batch.rej_weight[row, a, t].item() == pytest.approx(0.8**a)
+        assert batch.rej_target_logp[row, a, t].item() == pytest.approx(s.step.target_logprobs[a])
+    loss, metrics = opd_loss(drafter, target, batch, OPDLossConfig())
+    assert torch.isfinite(loss) and metrics["num_rejected_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
+    for kind in ["jsd", "tv", "bernoulli_fkl"]:
+        assert torch.isfinite(opd_loss(drafter, target, batch, OPDLossConfig(accepted_divergence=kind))[0])

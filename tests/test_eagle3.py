@@ -25,8 +25,9 @@ def test_checkpoint_round_trip_is_exact(tmp_path, opts):
     state = torch.randn(2, 5, target.hidden_size, dtype=target.dtype)
     pos = torch.arange(5).expand(2, 5)
     mask = _attend_mask(torch.zeros(2, 0, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool))
-    assert torch.equal(drafter.step(ids, state, pos, None, None, mask).logits,
-                       loaded.step(ids, state, pos, None, None, mask).logits)
+    assert torch.equal(
+        drafter.step(ids, state, pos, None, None, mask).logits, loaded.step(ids, state, pos, None, None, mask).logits
+    )
 
 
 def test_checkpoint_layout_is_what_vllm_reads(tmp_path):
@@ -45,9 +46,16 @@ def test_checkpoint_layout_is_what_vllm_reads(tmp_path):
     assert tensors["lm_head.weight"].shape == (12, h)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert int(tensors["t2d"].sum()) == 12
-    for name in ["midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-                 "midlayer.post_attention_layernorm.weight", "norm.weight", "fc_norm.0.weight",
-                 "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight"]:
+    for name in [
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "norm.weight",
+        "fc_norm.0.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+    ]:
         assert name in tensors, name
     assert not any(k.startswith("embed") for k in tensors)  # the target's embedding is shared, not saved
 

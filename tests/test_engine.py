@@ -67,7 +67,7 @@ def exact_distribution(target, prompt, n):
     logp = torch.log_softmax(target.forward(seqs, torch.arange(seqs.shape[1]).expand_as(seqs)).logits, -1)
     p0 = len(prompt) - 1
     total = sum(logp[:, p0 + j].gather(1, seqs[:, p0 + j + 1 : p0 + j + 2]).squeeze(1) for j in range(n))
-    return total.exp(), seqs[:, len(prompt):]
+    return total.exp(), seqs[:, len(prompt) :]
 
 
 def chi_square_p_value(counts, probs):

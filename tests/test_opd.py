@@ -48,8 +48,9 @@ def test_replay_rebuilds_the_recorded_chains(tiny_pair, temperature):
     """With the rollout's weights, replayed log-probs of every draft equal the recorded ones."""
     target, drafter = tiny_pair
     k = 4
-    trajs = SpeculativeEngine(target, drafter, [1]).generate(random_prompts(6, 16, seed=4),
-                                                             SamplingConfig(30, temperature, k, seed=1))
+    trajs = SpeculativeEngine(target, drafter, [1]).generate(
+        random_prompts(6, 16, seed=4), SamplingConfig(30, temperature, k, seed=1)
+    )
     states = [ErrorState(t, i, 0) for t in trajs for i in range(len(t.steps))]
     t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
     batch = build_replay_batch(states, t2d, depth=k, decay=0.8, max_len=512)

@@ -38,9 +38,16 @@ def test_loads_with_auto_classes_and_learned_far_below_uniform():
 
 def test_greedy_answers_are_not_degenerate(toy):
     tok, target, eos = toy
-    chats = [[{"role": "user", "content": "What is 47 + 385?"}],
-             [{"role": "user", "content": "Write the Python function `clear` from the `collections` module:\n"
-                                         "```python\ndef clear(self):\n```"}]]
+    chats = [
+        [{"role": "user", "content": "What is 47 + 385?"}],
+        [
+            {
+                "role": "user",
+                "content": "Write the Python function `clear` from the `collections` module:\n"
+                "```python\ndef clear(self):\n```",
+            }
+        ],
+    ]
     trajs = SpeculativeEngine(target, None, eos).generate(encode_chats(tok, chats), SamplingConfig(100))
     arith, code = (tok.decode(t.output_ids) for t in trajs)
     assert arith.startswith("<think>\n") and "</think>" in arith and "47 + 385" in arith

@@ -105,8 +105,14 @@ class SpeculativeEngine:
         k = cfg.num_draft_tokens if self.drafter is not None else 0
         gen = torch.Generator().manual_seed(cfg.seed)
         trajs = [
-            Trajectory(prompt_ids=list(p), output_ids=[], policy_version=policy_version,
-                       temperature=cfg.temperature, num_draft_tokens=k, prompt_index=i)
+            Trajectory(
+                prompt_ids=list(p),
+                output_ids=[],
+                policy_version=policy_version,
+                temperature=cfg.temperature,
+                num_draft_tokens=k,
+                prompt_index=i,
+            )
             for i, p in enumerate(prompts)
         ]
         run = _Run(self, cfg, k, gen, trajs)
@@ -146,8 +152,8 @@ class _Run:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         valid = torch.zeros(len(prompts), width, dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding: the last prompt token sits in the last slot
-            ids[i, width - len(p):] = torch.tensor(p)
-            valid[i, width - len(p):] = True
+            ids[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) :] = True
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
         out = self._target(ids, positions, valid, torch.zeros(len(prompts), 0, dtype=torch.bool))
         self.tvalid = valid
@@ -162,7 +168,7 @@ class _Run:
         self._retire(self._finished_rows(first[:, None], torch.ones(len(prompts), dtype=torch.long)))
 
     def _draft(self):
-        """K drafts per row: target ids [B, K], drafter probs over the target vocab [B, K, V] (or None), raw log-probs."""
+        """K drafts per row: target ids [B, K], drafter probs over the target vocab [B, K, V] or None, log-probs."""
         d, ctx, cache = self.e.drafter, self.ctx, self.dcache
         b = ctx.tokens.shape[0]
         pk, pv, pvalid = cache.past(b, ctx.tokens.device)
@@ -176,7 +182,9 @@ class _Run:
             logits = out.logits[:, -1]
             choice, p = self._pick(logits)
             tokens.append(d2t[choice])
-            logps.append(torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None]).squeeze(1))
+            logps.append(
+                torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None]).squeeze(1)
+            )
             if p is not None:
                 full = torch.zeros(b, self.e.target.vocab_size, dtype=p.dtype)
                 probs.append(full.index_copy_(1, d2t, p))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -265,6 +265,10 @@ class Eagle3Drafter(nn.Module):
             logits, state = self._finish(attn.out(o), residual)
             outs.append(logits)
         return outs
+
+    def forward(self, *args, **kwargs) -> list[torch.Tensor]:
+        """The training pass (`ttt_forward`), so that wrappers such as a DeepSpeed engine can call the module."""
+        return self.ttt_forward(*args, **kwargs)
 
     # ---- checkpoints -------------------------------------------------------
 

@@ -18,8 +18,9 @@ import torch
 from draftopd.losses import forward_kl
 
 
-def k3(target_logp: torch.Tensor, student_logp: torch.Tensor, diff_clamp: float = 20.0,
-       loss_clamp: float = 10.0) -> torch.Tensor:
+def k3(
+    target_logp: torch.Tensor, student_logp: torch.Tensor, diff_clamp: float = 20.0, loss_clamp: float = 10.0
+) -> torch.Tensor:
     """Sampled reverse-KL estimator per token: e^d - d - 1 with d = clamp(t - s)."""
     d = (target_logp - student_logp).clamp(-diff_clamp, diff_clamp)
     return (d.exp() - d - 1).clamp(max=loss_clamp)

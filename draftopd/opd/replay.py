@@ -58,8 +58,9 @@ def _group(states: list[ErrorState]) -> list[list[ErrorState]]:
     return list(groups.values())
 
 
-def build_replay_batch(states: list[ErrorState], t2d_index: torch.Tensor, depth: int, decay: float,
-                       max_len: int, pad_id: int = 0) -> ReplayBatch:
+def build_replay_batch(
+    states: list[ErrorState], t2d_index: torch.Tensor, depth: int, decay: float, max_len: int, pad_id: int = 0
+) -> ReplayBatch:
     groups = _group(states)
     seqs = [g[0].trajectory.full_ids[:max_len] for g in groups]
     b, width = len(seqs), max(len(s) for s in seqs)
@@ -104,13 +105,16 @@ class OPDLossConfig:
     rej_coef: float = 1.0
 
 
-def replay_forward(drafter, target, batch: ReplayBatch):
-    """Target pass (no grad) and the drafter's replayed chains; returns (target logits, [B, D, n, Vd] logits)."""
+def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
+    """Target pass (no grad) and the drafter's replayed chains; returns (target logits, [B, D, n, Vd] logits).
+
+    `forward` runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
+    """
     n = batch.input_ids.shape[1]
     out = target.forward(batch.input_ids, torch.arange(n).expand_as(batch.input_ids))
-    aux = out.aux_hidden.to(drafter.fc.weight.dtype)
+    aux = out.aux_hidden.to(drafter.embed.weight.dtype)
     depth = batch.depth_tokens.shape[1]
-    logits = drafter.ttt_forward(batch.input_ids, aux, batch.valid, depth, batch.depth_tokens)
+    logits = (forward or drafter)(batch.input_ids, aux, batch.valid, depth, batch.depth_tokens)
     return out.logits, torch.stack(logits, 1)
 
 
@@ -128,19 +132,20 @@ def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_inde
     return torch.where(draft_id >= 0, bernoulli_forward_kl(t_lp, s_lp), torch.zeros_like(t_lp))
 
 
-def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig) -> tuple[torch.Tensor, dict]:
+def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=None) -> tuple[torch.Tensor, dict]:
     """The two-stream Draft-OPD loss on a replay batch, with per-stream metrics."""
     if cfg.accepted_divergence not in (*DIVERGENCES, "bernoulli_fkl"):
         raise ValueError(f"unknown accepted_divergence '{cfg.accepted_divergence}'")
-    t_logits, d_logits = replay_forward(drafter, target, batch)
+    t_logits, d_logits = replay_forward(drafter, target, batch, forward)
     b, depth, n, _ = d_logits.shape
     d2t = drafter.draft_to_target_ids()
     t2d_index = target_to_draft_index(d2t, target.vocab_size)
     acc = torch.zeros(b, depth, n)
     for d in range(depth):
         span = n - d  # rows whose teacher position t + 1 + d exists
-        acc[:, d, :span] = _accepted_divergence(cfg.accepted_divergence, t_logits, d_logits, batch.input_ids,
-                                                d2t, t2d_index, d, span)
+        acc[:, d, :span] = _accepted_divergence(
+            cfg.accepted_divergence, t_logits, d_logits, batch.input_ids, d2t, t2d_index, d, span
+        )
     s_logp = torch.log_softmax(d_logits.float(), -1).gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
     rej = k3(batch.rej_target_logp, s_logp)
     acc_w, rej_w = batch.acc_weight, batch.rej_weight

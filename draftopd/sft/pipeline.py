@@ -26,8 +26,17 @@ def _fingerprint(cfg: Config, prompt_ids) -> str:
     """What the cached responses depend on: target, prompts and decoding settings."""
     import hashlib
 
-    key = json.dumps([cfg.target.path, cfg.target.dtype, prompt_ids, cfg.data.response_temperature,
-                      cfg.data.max_new_tokens, cfg.run.seed, cfg.data.generate_batch_size])
+    key = json.dumps(
+        [
+            cfg.target.path,
+            cfg.target.dtype,
+            prompt_ids,
+            cfg.data.response_temperature,
+            cfg.data.max_new_tokens,
+            cfg.run.seed,
+            cfg.data.generate_batch_size,
+        ]
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -70,8 +79,19 @@ def evaluate_drafter(cfg: Config, target, drafter, tokenizer, eos, run: RunDir |
         for temp in cfg.eval.temperatures:
             baseline = None
             for k in cfg.eval.num_draft_tokens:
-                report, baseline = evaluate(target, drafter, eos, prompts, k, temp, cfg.eval.max_new_tokens,
-                                            cfg.eval.batch_size, cfg.run.seed, baseline, bar)
+                report, baseline = evaluate(
+                    target,
+                    drafter,
+                    eos,
+                    prompts,
+                    k,
+                    temp,
+                    cfg.eval.max_new_tokens,
+                    cfg.eval.batch_size,
+                    cfg.run.seed,
+                    baseline,
+                    bar,
+                )
                 reports.append(report)
     if run is not None:
         run.write_json("eval.json", reports)

@@ -49,12 +49,16 @@ def collate(examples: list[SFTExample], max_len: int, pad_id: int = 0) -> Batch:
     return Batch(ids, valid, loss_pos)
 
 
-def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float) -> tuple[torch.Tensor, dict]:
-    """Weighted forward KL over TTT depths, plus per-depth top-1 agreement with the target."""
+def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float, forward=None) -> tuple[torch.Tensor, dict]:
+    """Weighted forward KL over TTT depths, plus per-depth top-1 agreement with the target.
+
+    `forward` is what runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
+    """
     n = batch.input_ids.shape[1]
     positions = torch.arange(n).expand_as(batch.input_ids)
     out = target.forward(batch.input_ids, positions)
-    draft_logits = drafter.ttt_forward(batch.input_ids, out.aux_hidden.to(drafter.fc.weight.dtype), batch.valid, depth)
+    forward = forward or drafter
+    draft_logits = forward(batch.input_ids, out.aux_hidden.to(drafter.embed.weight.dtype), batch.valid, depth)
     d2t = drafter.draft_to_target_ids()
     total = torch.zeros((), dtype=torch.float32)
     metrics = {}

@@ -8,16 +8,25 @@ from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftopd.models.target import TargetModel
 
 
-def tiny_target(vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 0, dtype=torch.float64,
-                sharpness: float = 3.0) -> TargetModel:
+def tiny_target(
+    vocab: int = 16, hidden: int = 32, layers: int = 4, seed: int = 0, dtype=torch.float64, sharpness: float = 3.0
+) -> TargetModel:
     """A random Llama with a small vocabulary; `sharpness` scales its head so distributions are peaked."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
@@ -32,9 +41,15 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
     v = target.vocab_size
     dv = draft_vocab or v
     cfg = Eagle3Config(
-        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=v, draft_vocab_size=dv, target_hidden_size=target.hidden_size,
-        aux_layer_ids=list(target.aux_layer_ids), **opts,
+        hidden_size=target.hidden_size,
+        intermediate_size=2 * target.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=v,
+        draft_vocab_size=dv,
+        target_hidden_size=target.hidden_size,
+        aux_layer_ids=list(target.aux_layer_ids),
+        **opts,
     )
     ids = torch.arange(dv)
     drafter = Eagle3Drafter(cfg, target.embed_tokens().weight, d2t=ids - ids)

@@ -112,7 +112,10 @@ def arithmetic_sample(rng: random.Random) -> Sample:
             f"{name} has {a} {item}. {name} buys {b} more and then gives away {c}. "
             f"How many {item} does {name} have now?"
         )
-        steps = f"{name} starts with {a} {item}.\nAfter buying: {a} + {b} = {a + b}.\nAfter giving away: {a + b} - {c} = {a + b - c}."
+        steps = (
+            f"{name} starts with {a} {item}.\nAfter buying: {a} + {b} = {a + b}.\n"
+            f"After giving away: {a + b} - {c} = {a + b - c}."
+        )
         r = a + b - c
     return Sample(key=f"arith:{q}", domain="arithmetic", messages=_with_think(rng, q, steps, r))
 

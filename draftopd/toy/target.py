@@ -179,6 +179,8 @@ def make_toy_target(out_dir: str | Path, spec: ToyTargetSpec | None = None) -> d
     tokenizer.save_pretrained(out)
     # The generic class name keeps the tokenizer loadable by older transformers and by serving engines.
     tok_cfg = out / "tokenizer_config.json"
-    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    tok_cfg.write_text(
+        json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n"
+    )
     (out / "toy_target_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -1,0 +1,157 @@
+"""DraftLearner: one data-parallel rank that trains the drafter with DeepSpeed (gloo on CPU, NCCL on GPU).
+
+A plain class: the Ray actor in opd/actors.py is a thin wrapper, and a test can
+build one directly. It holds a frozen target (for aux states and teacher
+distributions) and the drafter inside a DeepSpeed engine, runs SFT (TTT) steps
+and Draft-OPD replay steps on the shard of a batch it is given, and hands out
+the drafter weights for the rollout workers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from draftopd.messages import ErrorState
+
+
+@dataclass
+class LearnerSpec:
+    """Everything a rank needs to build itself; plain data so it crosses process boundaries."""
+
+    target_path: str
+    aux_layer_ids: list[int]
+    target_dtype: str
+    drafter_config: dict  # Eagle3Config.to_hf()
+    drafter_state: dict  # name -> numpy array (checkpoint_state)
+    zero_stage: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    num_threads: int = 1
+    seed: int = 0
+
+
+def deepspeed_config(spec: LearnerSpec, micro_batch: int) -> dict:
+    """ZeRO stage from the recipe; torch AdamW so nothing is JIT-compiled on CPU."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": spec.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": spec.lr, "betas": [0.9, 0.95], "weight_decay": spec.weight_decay, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": spec.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if not torch.cuda.is_available():
+        cfg["zero_allow_untested_optimizer"] = True
+    return cfg
+
+
+def _init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Env-style rendezvous (no MPI discovery); the unused shared-memory all-reduce op is not built."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        LOCAL_SIZE="1",
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    import sys
+
+    import deepspeed
+
+    # `import deepspeed.comm.torch as m` would bind the real torch (the package re-exports it): go via sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skips a ~1 min JIT build training never uses
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+class DraftLearner:
+    """One rank. `setup` does the heavy work; the constructor only stores arguments."""
+
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.master = (master_addr, master_port)
+        self.engine = None
+        self.num_nonfinite = 0
+        self.step = 0
+
+    def setup(self, micro_batch: int = 8) -> None:
+        import deepspeed
+
+        from draftopd.loading import load_target
+        from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+        torch.set_num_threads(self.spec.num_threads)
+        torch.manual_seed(self.spec.seed)
+        _init_distributed(self.rank, self.world_size, *self.master)
+        self.target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
+        cfg = Eagle3Config.from_hf(self.spec.drafter_config)
+        state = {k: torch.from_numpy(v.copy()) for k, v in self.spec.drafter_state.items()}
+        drafter = Eagle3Drafter(cfg, self.target.embed_tokens().weight, d2t=state["d2t"]).to(self.target.dtype)
+        drafter.load_state_dict(state, strict=False)
+        self.drafter = drafter
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
+        )
+
+    def _apply(self, loss: torch.Tensor, metrics: dict, lr: float | None) -> dict:
+        """Backward and step through DeepSpeed; a non-finite loss skips the step (counted, on every rank)."""
+        finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0])
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if finite.item() == 0:
+            self.num_nonfinite += 1
+            self.engine.zero_grad() if hasattr(self.engine, "zero_grad") else None
+            return {**metrics, "skipped_nonfinite": 1, "num_nonfinite_total": self.num_nonfinite}
+        if lr is not None:
+            for g in self.engine.optimizer.param_groups:
+                g["lr"] = lr
+        self.engine.backward(loss)
+        self.engine.step()
+        self.step += 1
+        return {**metrics, "skipped_nonfinite": 0, "num_nonfinite_total": self.num_nonfinite, "learner_step": self.step}
+
+    def sft_step(self, examples, depth: int, decay: float, max_len: int, lr: float | None = None) -> dict:
+        from draftopd.sft.trainer import collate, ttt_loss
+
+        self.engine.train()
+        batch = collate(examples, max_len)
+        loss, metrics = ttt_loss(self.engine.module, self.target, batch, depth, decay, forward=self.engine)
+        return self._apply(loss, metrics, lr)
+
+    def opd_step(
+        self, states: list[ErrorState], depth: int, decay: float, max_len: int, loss_cfg, lr: float | None = None
+    ) -> dict:
+        from draftopd.opd.replay import build_replay_batch, opd_loss, target_to_draft_index
+
+        self.engine.train()
+        t2d = target_to_draft_index(self.drafter.draft_to_target_ids(), self.target.vocab_size)
+        batch = build_replay_batch(states, t2d, depth, decay, max_len)
+        loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
+        return self._apply(loss, metrics, lr)
+
+    def weights(self) -> dict:
+        """Drafter weights as numpy copies (never views into DeepSpeed's flat buffers), gathered under ZeRO-3."""
+        import deepspeed
+
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
+            state = self.engine.module.checkpoint_state()
+            return {k: v.detach().cpu().clone().numpy() for k, v in state.items()}
+
+    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+        self.engine.save_checkpoint(path, tag="latest", client_state={"step": self.step, **(client_state or {})})
+
+    def load_checkpoint(self, path: str) -> dict:
+        _, client = self.engine.load_checkpoint(path, tag="latest")
+        self.step = int((client or {}).get("step", 0))
+        return client or {}

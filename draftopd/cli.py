@@ -20,7 +20,12 @@ USER_ERRORS = (ConfigError, PromptError, LoadError, FileNotFoundError, IsADirect
 
 def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
     p.add_argument("--target", default="toy", help="target model directory, or 'toy' (default)")
-    p.add_argument("--prompts", required=True, help="JSONL prompt file ({'prompt': ...} or {'messages': [...]})")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL prompt file ({'prompt': ...} or {'messages': [...]}), or 'toy' for the toy held-out set",
+    )
+    p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     if multi_k:
@@ -63,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_for_sampling(args):
-    from draftopd.data.prompts import encode_chats, read_prompt_file
+    from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
     from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
 
-    chats = read_prompt_file(args.prompts)  # first, so a bad prompt file fails before loading models
+    # Prompts first, so a bad prompt file fails before any model is loaded.
+    chats = toy_prompts("held_out", args.num_prompts or 48) if args.prompts == "toy" else read_prompt_file(args.prompts)
+    chats = chats[: args.num_prompts] if args.num_prompts else chats
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids, args.dtype)
     drafter = load_drafter(args.drafter, target) if args.drafter else None
@@ -130,7 +137,12 @@ def cmd_train(args) -> None:
     from draftopd.sft.pipeline import run_sft
 
     cfg = load_config(args.recipe, args.overrides)
-    run_sft(cfg, sys.argv)
+    if cfg.opd.enabled:
+        from draftopd.opd.driver import run_opd
+
+        run_opd(cfg, sys.argv)
+    else:
+        run_sft(cfg, sys.argv)
 
 
 def cmd_make_toy_target(args) -> None:

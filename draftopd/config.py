@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftopd.opd.buffer import BufferConfig
+
 TOY_TARGET = "toy"  # the toy target shipped in draftopd/assets
 
 
@@ -73,7 +75,7 @@ class DataConfig:
     """JSONL of held-out prompts, or `toy` for the toy corpus's held-out split."""
     num_train_prompts: int = 800
     """How many prompts to answer with the target for training."""
-    num_eval_prompts: int = 48
+    num_eval_prompts: int = 32
     """How many held-out prompts to evaluate on."""
     enable_thinking: bool = True
     """Chat template flag for thinking models (the toy target is one)."""
@@ -122,6 +124,104 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutConfig:
+    backend: str = "native"
+    """Rollout engine: `native` (the plain-torch engine, the CPU default)."""
+    num_workers: int = 2
+    """Rollout workers (Ray actors)."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each rollout worker."""
+    num_gpus_per_worker: float = 0.0
+    """GPUs Ray reserves for each rollout worker."""
+    prompts_per_round: int = 16
+    """Prompts rolled out per OPD round, split across the workers."""
+    batch_size: int = 8
+    """Prompts a worker decodes together."""
+    num_draft_tokens: int = 4
+    """K: drafts per verification step during rollouts."""
+    temperature: float = 0.0
+    """Rollout temperature (0: greedy, as in the paper)."""
+    max_new_tokens: int = 128
+    """Response length cap of a rollout."""
+    max_restarts: int = 3
+    """How often a dead rollout worker is restarted before the job gives up."""
+    num_threads: int = 1
+    """torch threads inside each worker."""
+
+
+@dataclass
+class LearnerConfig:
+    num_learners: int = 2
+    """DeepSpeed data-parallel ranks (Ray actors)."""
+    num_cpus_per_learner: float = 1.0
+    """CPUs Ray reserves for each learner rank."""
+    num_gpus_per_learner: float = 0.0
+    """GPUs Ray reserves for each learner rank (NCCL is used when > 0)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage, 0-3."""
+    lr: float = 5e-4
+    """AdamW learning rate of the OPD phase (the SFT phase uses sft.lr)."""
+    batch_size: int = 8
+    """Error states per rank per OPD step."""
+    max_seq_len: int = 384
+    """Tokens kept per replayed trajectory."""
+    decay: float = 0.8
+    """Per-position weight decay within a block (weight decay**offset)."""
+    acc_coef: float = 1.0
+    """Weight of the accepted (target-distributed) stream."""
+    rej_coef: float = 1.0
+    """Weight of the rejected-draft stream."""
+    accepted_divergence: str = "forward_kl"
+    """Accepted-stream divergence: forward_kl (full distribution, default), jsd, tv, or bernoulli_fkl (reference)."""
+    max_nonfinite_in_a_row: int = 3
+    """Stop the job after this many consecutive non-finite losses (each one skips its step)."""
+    num_threads: int = 1
+    """torch threads inside each learner rank."""
+
+
+@dataclass
+class OPDConfig:
+    enabled: bool = False
+    """Run the Draft-OPD phase (after SFT when sft.epochs > 0)."""
+    num_rounds: int = 8
+    """Rollout rounds; each is followed by `steps_per_round` learner steps."""
+    steps_per_round: int = 2
+    """Learner steps per rollout round."""
+    sync_every: int = 1
+    """Publish the drafter to the rollout workers every this many learner steps."""
+    eval_every: int = 4
+    """Held-out evaluation every this many policy versions."""
+    num_eval_prompts: int = 16
+    """Held-out prompts in each periodic evaluation."""
+    checkpoint_every: int = 4
+    """Resumable checkpoint every this many rounds."""
+
+
+@dataclass
+class SyncConfig:
+    backend: str = "object_store"
+    """Weight transport from learner rank 0 to the rollout workers: `object_store` (Ray's object store)."""
+
+
+@dataclass
+class TrackingConfig:
+    experiment: str = "draftopd"
+    """MLflow experiment name."""
+    tracking_uri: str = ""
+    """MLflow store; empty means MLFLOW_TRACKING_URI, else a sqlite store in the run directory."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster to join; empty starts a local Ray (or joins the cluster of `ray job submit`)."""
+    num_cpus: int = 0
+    """CPUs of a local Ray (0: all)."""
+    object_store_memory_mb: int = 1024
+    """Object store size of a local Ray."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -129,6 +229,13 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 def _check_keys(node: Any, schema: type, where: str = "") -> None:

@@ -19,3 +19,13 @@ def random_prompts(n: int, vocab: int, seed: int, max_len: int = 9) -> list[list
     return [
         torch.randint(2, vocab, (int(m),), generator=g).tolist() for m in torch.randint(1, max_len, (n,), generator=g)
     ]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session, with a capped object store."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

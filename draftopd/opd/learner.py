@@ -84,9 +84,17 @@ class DraftLearner:
         self.num_nonfinite = 0
         self.step = 0
 
-    def setup(self, micro_batch: int = 8) -> None:
+    def node_ip(self) -> str:
+        """Address of this rank's node, for the rendezvous of rank 0."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def setup(self, micro_batch: int = 8, master: tuple[str, int] | None = None) -> None:
         import deepspeed
 
+        if master is not None:
+            self.master = tuple(master)
         from draftopd.loading import load_target
         from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
 

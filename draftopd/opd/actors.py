@@ -1,0 +1,44 @@
+"""The one place where roles become Ray actors, with resources taken from the config.
+
+Each actor is the plain class of its role; Ray adds placement, restarts and
+remote calls. Rollout workers restart on failure and their in-flight calls are
+retried (the calls carry the weights they need, see opd/rollout.py).
+"""
+
+from __future__ import annotations
+
+from draftopd.config import Config
+from draftopd.opd.buffer import ReplayBuffer
+from draftopd.opd.learner import DraftLearner
+from draftopd.opd.rollout import RolloutWorker
+
+
+def rollout_actors(cfg: Config, eos: list[int]):
+    import ray
+
+    actor = ray.remote(RolloutWorker).options(
+        num_cpus=cfg.rollout.num_cpus_per_worker,
+        num_gpus=cfg.rollout.num_gpus_per_worker,
+        max_restarts=cfg.rollout.max_restarts,
+        max_task_retries=cfg.rollout.max_restarts,
+    )
+    return [
+        actor.remote(cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype, eos, cfg.rollout.num_threads, i)
+        for i in range(cfg.rollout.num_workers)
+    ]
+
+
+def buffer_actor(cfg: Config):
+    import ray
+
+    return ray.remote(ReplayBuffer).options(num_cpus=0).remote(cfg.buffer)
+
+
+def learner_actors(cfg: Config, spec, master_port: int):
+    import ray
+
+    actor = ray.remote(DraftLearner).options(
+        num_cpus=cfg.learner.num_cpus_per_learner, num_gpus=cfg.learner.num_gpus_per_learner, max_restarts=0
+    )
+    n = cfg.learner.num_learners
+    return [actor.remote(spec, rank, n, "127.0.0.1", master_port) for rank in range(n)]

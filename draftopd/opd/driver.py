@@ -1,0 +1,106 @@
+"""`draftopd train` for Draft-OPD recipes: the loop, as the architecture reads.
+
+place actors -> (SFT on target responses) -> repeat: rollout into the buffer ->
+learner steps on replayed error states -> weight sync -> log, eval, checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from draftopd.config import Config
+from draftopd.opd.session import DriverState, Session, start_ray
+from draftopd.rundir import RunDir
+from draftopd.tracking import Tracker, acceptance_curve_plot
+
+
+def sft_phase(s: Session) -> None:
+    examples = s.target_responses()
+    s.state.drafter_config, init_state = s.initial_drafter(examples)
+    s.place_learners(s.state.drafter_config, init_state)
+    s.sync()
+    cfg = s.cfg.sft
+    total = cfg.epochs * max(1, len(examples) // cfg.batch_size)
+    for step in tqdm(range(total), desc="SFT (TTT) on learners", unit="step"):
+        start = (step * cfg.batch_size) % len(examples)
+        batch = (examples + examples)[start : start + cfg.batch_size]
+        s.log(s.sft_step(batch, step, total), "sft")
+    s.state.sft_done = True
+    s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_end")
+
+
+def opd_phase(s: Session) -> None:
+    o = s.cfg.opd
+    for _ in tqdm(range(s.state.round, o.num_rounds), desc="Draft-OPD rounds", unit="round"):
+        s.log({**s.rollout_round(), **s.buffer_stats()}, "rollout")
+        for _ in range(o.steps_per_round):
+            metrics = s.opd_step()
+            if s.state.policy_version % o.sync_every == 0:
+                metrics["sync_seconds"] = s.sync()
+            if s.state.policy_version % o.eval_every == 0:
+                metrics.update(s.evaluate())
+            s.log(metrics, "opd")
+        s.state.round += 1
+        refresh_plot(s)
+
+
+def refresh_plot(s: Session) -> None:
+    rows = [r for r in s.state.history if "eval/toy/tau" in r]
+    history = [
+        {
+            "policy_version": r["policy_version"],
+            "tau": r["eval/toy/tau"],
+            "tau_ceiling": s.cfg.rollout.num_draft_tokens + 1,
+            "acceptance_per_position": [r[k] for k in sorted(r) if k.startswith("eval/toy/accept_pos_")],
+        }
+        for r in rows
+    ]
+    if history:
+        sft_end = next((r["policy_version"] for r in s.state.history if r["phase"] == "sft_end"), None)
+        png = acceptance_curve_plot(history, s.run.path / "acceptance_curve.png", sft_end)
+        s.tracker.log_artifact(png, "plots")
+
+
+def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
+    run = RunDir(cfg, list(sys.argv if argv is None else argv))
+    state = DriverState()
+    tracker = Tracker(run.path, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tracking_uri or None)
+    state.mlflow_run_id = tracker.start()
+    start_ray(cfg)
+    s = Session(cfg, run, tracker, state)
+    s.log_config()
+    s.place_actors()
+    try:
+        sft_phase(s)
+        opd_phase(s)
+        final = run.checkpoint_dir("final")
+        save_drafter(s, final)
+        tracker.log_artifact(final, "drafter")
+        tracker.end("FINISHED")
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    last = next(r for r in reversed(state.history) if "eval/toy/tau" in r)
+    print(
+        f"held-out tau = {last['eval/toy/tau']:.3f} (K={cfg.rollout.num_draft_tokens}, policy version "
+        f"{state.policy_version}); MLflow run {state.mlflow_run_id}"
+    )
+    return {"run_dir": str(run.path), "drafter": str(final), "history": state.history}
+
+
+def save_drafter(s: Session, path: Path) -> None:
+    import ray
+    import torch
+
+    from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    state = ray.get(s.learners[0].weights.remote())
+    cfg = Eagle3Config.from_hf(s.state.drafter_config)
+    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size)  # not saved; the checkpoint shares the target's
+    drafter = Eagle3Drafter(cfg, embed, d2t=tensors["d2t"])
+    drafter.load_state_dict(tensors, strict=False)
+    drafter.save(path)

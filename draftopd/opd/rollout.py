@@ -1,0 +1,108 @@
+"""RolloutWorker: target-assisted speculative generation with the current drafter.
+
+A plain class; the Ray actor is a thin wrapper (opd/actors.py). Every call that
+generates names the drafter weights it must use (a weights object plus its
+`policy_version`), so a worker that was restarted after a crash picks them up
+on its first call instead of needing a separate push.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.messages import Trajectory
+
+
+class RolloutWorker:
+    """Holds the target and a drafter; `setup` loads models lazily so the constructor stays cheap."""
+
+    def __init__(
+        self,
+        target_path: str,
+        aux_layer_ids: list[int],
+        dtype: str,
+        eos: list[int],
+        num_threads: int = 1,
+        index: int = 0,
+    ):
+        self.target_path, self.aux_layer_ids, self.dtype = target_path, aux_layer_ids, dtype
+        self.eos, self.num_threads, self.index = eos, num_threads, index
+        self.target = None
+        self.drafter = None
+        self.policy_version = -1
+
+    def setup(self) -> None:
+        if self.target is not None:
+            return
+        from draftopd.loading import load_target
+
+        torch.set_num_threads(self.num_threads)
+        self.target = load_target(self.target_path, self.aux_layer_ids, self.dtype)
+
+    def init_drafter(self, drafter_cfg, draft_to_target: list[int]) -> tuple[dict, dict]:
+        """A fresh drafter over the given draft vocabulary: (config.json dict, weights as numpy)."""
+        from draftopd.loading import new_drafter
+
+        self.setup()
+        d = new_drafter(drafter_cfg, self.target, torch.tensor(draft_to_target))
+        return d.cfg.to_hf(), {k: v.detach().clone().numpy() for k, v in d.checkpoint_state().items()}
+
+    def load_drafter_dir(self, path: str) -> tuple[dict, dict]:
+        """An existing checkpoint as (config dict, numpy weights), checked against the target."""
+        from draftopd.loading import load_drafter
+
+        self.setup()
+        d = load_drafter(path, self.target)
+        return d.cfg.to_hf(), {k: v.detach().clone().numpy() for k, v in d.checkpoint_state().items()}
+
+    def load_weights(self, drafter_config: dict, state: dict[str, np.ndarray], version: int) -> int:
+        """Switch to the given drafter weights (between requests); returns the version now in use."""
+        if version == self.policy_version and self.drafter is not None:
+            return version
+        from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+
+        self.setup()
+        tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}
+        if self.drafter is None:
+            cfg = Eagle3Config.from_hf(drafter_config)
+            self.drafter = Eagle3Drafter(cfg, self.target.embed_tokens().weight, d2t=tensors["d2t"])
+        self.drafter.load_state_dict(tensors, strict=False)
+        self.drafter.to(self.target.dtype).eval()
+        self.policy_version = version
+        return version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        prompt_indices: list[int],
+        sampling: SamplingConfig,
+        drafter_config: dict | None,
+        state: dict | None,
+        version: int,
+        batch_size: int = 8,
+    ) -> list[Trajectory]:
+        """Decode `prompts` with the drafter (`drafter_config`, `state`, `version`); None: the target alone.
+
+        The weights are top-level arguments so that Ray resolves an object reference to them in the worker.
+        """
+        self.setup()
+        drafter = None
+        if state is not None:
+            self.load_weights(drafter_config, state, version)
+            drafter = self.drafter
+        engine = SpeculativeEngine(self.target, drafter, self.eos)
+        version = self.policy_version if drafter is not None else -1
+        out: list[Trajectory] = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = engine.generate(prompts[i : i + batch_size], sampling, policy_version=version)
+            for t, idx in zip(chunk, prompt_indices[i : i + batch_size]):
+                t.prompt_index = idx
+            out.extend(chunk)
+        return out
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()

@@ -1,0 +1,273 @@
+"""The mechanics behind the Draft-OPD driver: actors, data routing, sync, eval, logging, checkpoints.
+
+Large data never passes through the driver: trajectories go from the rollout
+workers to the buffer actor, error states from the buffer to the learners, and
+drafter weights from learner rank 0 to the workers, all as Ray object references.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from dataclasses import dataclass, field
+
+from draftopd.config import Config, to_dict
+from draftopd.data.prompts import encode_chats, load_prompts
+from draftopd.engine.speculative import SamplingConfig
+from draftopd.evaluate import acceptance_stats
+from draftopd.loading import eos_ids, load_tokenizer
+from draftopd.opd.learner import LearnerSpec
+from draftopd.opd.replay import OPDLossConfig
+from draftopd.rundir import RunDir
+from draftopd.sft.trainer import SFTExample, lr_at
+from draftopd.sft.vocab import build_draft_vocab
+
+
+class TrainingError(RuntimeError):
+    """The job cannot go on (learner failure, repeated non-finite losses); a checkpoint is left to resume from."""
+
+
+@dataclass
+class DriverState:
+    """What the driver itself must remember to resume; saved next to the learner checkpoint."""
+
+    policy_version: int = 0
+    round: int = 0
+    sft_done: bool = False
+    mlflow_run_id: str = ""
+    drafter_config: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address)
+        return
+    try:  # inside `ray job submit`, join the cluster that runs the job
+        ray.init(address="auto")
+    except (ConnectionError, RuntimeError):
+        ray.init(
+            num_cpus=cfg.ray.num_cpus or None,
+            object_store_memory=cfg.ray.object_store_memory_mb * 2**20,
+            include_dashboard=False,
+        )
+
+
+class Session:
+    """One job: owns the run directory, the tracker and the actor handles."""
+
+    def __init__(self, cfg: Config, run: RunDir, tracker, state: DriverState):
+        self.cfg, self.run, self.tracker, self.state = cfg, run, tracker, state
+        self.tokenizer = load_tokenizer(cfg.target.path)
+        self.eos = eos_ids(self.tokenizer, cfg.target.path)
+        think = cfg.data.enable_thinking
+        self.train_prompts = encode_chats(
+            self.tokenizer, load_prompts(cfg.data.prompts, "train", cfg.data.num_train_prompts, cfg.run.seed), think
+        )
+        self.eval_prompts = encode_chats(
+            self.tokenizer,
+            load_prompts(cfg.data.eval_prompts, "held_out", cfg.opd.num_eval_prompts, cfg.run.seed),
+            think,
+        )
+        self.weights_ref = None
+        self.nonfinite_in_a_row = 0
+
+    # -- placement ---------------------------------------------------------------
+
+    def place_actors(self) -> None:
+        from draftopd.opd.actors import buffer_actor, rollout_actors
+
+        self.workers = rollout_actors(self.cfg, self.eos)
+        self.buffer = buffer_actor(self.cfg)
+
+    def place_learners(self, drafter_config: dict, drafter_state) -> None:
+        import ray
+
+        from draftopd.opd.actors import learner_actors
+
+        c = self.cfg
+        spec = LearnerSpec(
+            c.target.path,
+            c.target.aux_layer_ids,
+            c.target.dtype,
+            drafter_config,
+            drafter_state,
+            c.learner.zero_stage,
+            c.sft.lr,
+            c.sft.weight_decay,
+            c.sft.grad_clip,
+            c.learner.num_threads,
+            c.run.seed,
+        )
+        self.learners = learner_actors(c, spec, 0)
+        master = (ray.get(self.learners[0].node_ip.remote()), _free_port())
+        micro = max(1, c.learner.batch_size)
+        ray.get([learner.setup.remote(micro, master) for learner in self.learners])
+
+    # -- the steps of the loop ---------------------------------------------------
+
+    def _split(self, items: list, n: int) -> list[list]:
+        return [items[i::n] for i in range(n)]
+
+    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool):
+        """Object refs of the workers' trajectories, prompts dealt round-robin."""
+        cfg = self.state.drafter_config if with_drafter else None
+        weights = self.weights_ref if with_drafter else None
+        version = self.state.policy_version if with_drafter else -1
+        n = len(self.workers)
+        return [
+            w.generate.remote(p, i, sampling, cfg, weights, version, self.cfg.rollout.batch_size)
+            for w, p, i in zip(self.workers, self._split(prompts, n), self._split(indices, n))
+            if p
+        ]
+
+    def target_responses(self) -> list[SFTExample]:
+        import ray
+
+        d = self.cfg.data
+        sampling = SamplingConfig(d.max_new_tokens, d.response_temperature, 0, self.cfg.run.seed)
+        refs = self._generate(self.train_prompts, list(range(len(self.train_prompts))), sampling, False)
+        trajs = [t for chunk in ray.get(refs) for t in chunk]
+        return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
+
+    def initial_drafter(self, examples: list[SFTExample]) -> tuple[dict, dict]:
+        import ray
+
+        if self.cfg.drafter.init:
+            return ray.get(self.workers[0].load_drafter_dir.remote(self.cfg.drafter.init))
+        responses = [e.ids[e.prompt_len :] for e in examples]
+        ids = build_draft_vocab(responses, self.cfg.drafter.draft_vocab_size, len(self.tokenizer), self.eos)
+        return ray.get(self.workers[0].init_drafter.remote(self.cfg.drafter, ids.tolist()))
+
+    def _learner_call(self, method: str, shards: list, *args) -> dict:
+        """One synchronous step on every rank; a dead learner ends the job with a clear message."""
+        import ray
+
+        try:
+            results = ray.get(
+                [getattr(learner, method).remote(shard, *args) for learner, shard in zip(self.learners, shards)]
+            )
+        except ray.exceptions.RayActorError as exc:
+            raise TrainingError(f"a learner rank died during {method}: {exc}") from None
+        merged = {k: sum(r[k] for r in results) / len(results) for k in results[0] if isinstance(results[0][k], float)}
+        merged.update({k: results[0][k] for k in results[0] if not isinstance(results[0][k], float)})
+        if results[0].get("skipped_nonfinite"):
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= self.cfg.learner.max_nonfinite_in_a_row:
+                raise TrainingError(f"{self.nonfinite_in_a_row} non-finite losses in a row; stopping")
+        else:
+            self.nonfinite_in_a_row = 0
+            self.state.policy_version += 1
+        return merged
+
+    def sft_step(self, batch: list[SFTExample], step: int, total: int) -> dict:
+        s = self.cfg.sft
+        lr = lr_at(step, total, s.lr, s.warmup_ratio)
+        shards = self._split(batch, len(self.learners))
+        return self._learner_call("sft_step", shards, s.ttt_depth, s.depth_decay, s.max_seq_len, lr)
+
+    def rollout_round(self) -> dict:
+        """Prompts of this round through the workers into the buffer; returns rollout metrics."""
+        import ray
+
+        r, n = self.cfg.rollout, len(self.train_prompts)
+        start = (self.state.round * r.prompts_per_round) % n
+        idx = [(start + i) % n for i in range(r.prompts_per_round)]
+        sampling = SamplingConfig(
+            r.max_new_tokens, r.temperature, r.num_draft_tokens, self.cfg.run.seed + self.state.round
+        )
+        t0 = time.perf_counter()
+        refs = self._generate([self.train_prompts[i] for i in idx], idx, sampling, True)
+        added = ray.get([self.buffer.add.remote(ref) for ref in refs])
+        seconds = time.perf_counter() - t0
+        trajs = [t for chunk in ray.get(refs) for t in chunk]  # small: token lists and step records
+        stats = acceptance_stats(trajs, r.num_draft_tokens)
+        tokens = sum(len(t.output_ids) for t in trajs)
+        return {
+            "rollout/tau": stats["tau"],
+            "rollout/tokens_per_s": tokens / seconds,
+            **{f"rollout/accept_pos_{i}": a for i, a in enumerate(stats.get("acceptance_per_position", []))},
+            "rollout/error_states_added": float(sum(added)),
+        }
+
+    def opd_step(self) -> dict:
+        import ray
+
+        lc = self.cfg.learner
+        n = len(self.learners)
+        if ray.get(self.buffer.stats.remote())["size"] == 0:
+            return {}
+        samples = [self.buffer.sample.remote(lc.batch_size, self.state.policy_version) for _ in range(n)]
+        loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef)
+        t0 = time.perf_counter()
+        m = self._learner_call(
+            "opd_step", samples, self.cfg.rollout.num_draft_tokens, lc.decay, lc.max_seq_len, loss_cfg, lc.lr
+        )
+        m["learner/samples_per_s"] = n * lc.batch_size / (time.perf_counter() - t0)
+        return m
+
+    def sync(self) -> float:
+        """Publish rank 0's weights: the ref stays in the object store and rides along with each generate call."""
+        import ray
+
+        t0 = time.perf_counter()
+        self.weights_ref = self.learners[0].weights.remote()
+        versions = ray.get(
+            [
+                w.load_weights.remote(self.state.drafter_config, self.weights_ref, self.state.policy_version)
+                for w in self.workers
+            ]
+        )
+        assert all(v == self.state.policy_version for v in versions)
+        return time.perf_counter() - t0
+
+    def evaluate(self) -> dict:
+        import ray
+
+        k = self.cfg.rollout.num_draft_tokens
+        sampling = SamplingConfig(self.cfg.eval.max_new_tokens, 0.0, k, self.cfg.run.seed)
+        refs = self._generate(self.eval_prompts, list(range(len(self.eval_prompts))), sampling, True)
+        stats = acceptance_stats([t for chunk in ray.get(refs) for t in chunk], k)
+        out = {
+            "eval/toy/tau": stats["tau"],
+            **{f"eval/toy/accept_pos_{i}": a for i, a in enumerate(stats["acceptance_per_position"])},
+        }
+        return out
+
+    # -- bookkeeping ---------------------------------------------------------------
+
+    def log(self, metrics: dict, phase: str) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+        row = {"phase": phase, "policy_version": self.state.policy_version, **clean}
+        self.run.log(row)
+        self.state.history.append(row)
+        self.tracker.log_metrics(clean, step=self.state.policy_version)
+
+    def buffer_stats(self) -> dict:
+        import ray
+
+        s = ray.get(self.buffer.stats.remote(self.state.policy_version))
+        return {f"buffer/{k}": float(v) for k, v in s.items()}
+
+    def save_state(self) -> None:
+        path = self.run.path / "driver_state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state.__dict__))
+        tmp.replace(path)
+
+    def log_config(self) -> None:
+        self.tracker.log_params(to_dict(self.cfg))
+        self.tracker.log_artifact(self.run.path / "config.yaml")
+        self.tracker.log_artifact(self.run.path / "provenance.json")

@@ -61,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("bench", help="benchmarks; 'opd-vs-sft': more SFT vs Draft-OPD at matched learner compute")
+    p.add_argument("which", choices=["opd-vs-sft"])
+    p.add_argument("--target", default="toy")
+    p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
+    p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
+    p.add_argument("--num-train-prompts", type=int, default=64)
+    p.add_argument("--num-eval-prompts", type=int, default=16)
+    p.add_argument("--sft-steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True)
+
     p = sub.add_parser("ui", help="serve the MLflow UI for a run directory (or a tracking URI) on 127.0.0.1")
     p.add_argument("store", help="run directory holding mlflow.db, a path to an mlflow.db, or a backend store URI")
     p.add_argument("--port", type=int, default=5000)
@@ -150,6 +164,40 @@ def cmd_make_toy_target(args) -> None:
 
     report = make_toy_target(args.out, ToyTargetSpec(minutes=args.minutes, seed=args.seed))
     print(json.dumps(report, indent=2))
+
+
+def cmd_bench(args) -> None:
+    import torch
+
+    from draftopd.bench.opd_vs_sft import BenchSettings, run_bench
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    load_drafter(drafter_dir, target)  # fail early on a bad drafter
+    torch.manual_seed(args.seed)
+    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
+    held = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, seed=args.seed))
+    s = BenchSettings(
+        sft_steps=args.sft_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_draft_tokens=args.num_draft_tokens,
+        depth=args.num_draft_tokens,
+        seed=args.seed,
+    )
+    report = run_bench(
+        target, eos_ids(tokenizer, args.target), lambda: load_drafter(drafter_dir, target), train, held, s
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(
+        f"start tau {report['start']['tau']:.3f} | more SFT {report['sft']['tau']:.3f} | "
+        f"Draft-OPD {report['opd']['tau']:.3f} | OPD/SFT = {report['tau_ratio_opd_over_sft']:.3f} "
+        f"(learner tokens: SFT {report['sft']['learner_tokens']}, OPD {report['opd']['learner_tokens']})"
+    )
 
 
 def cmd_ui(args) -> int:

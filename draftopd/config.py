@@ -34,6 +34,8 @@ class RunConfig:
     """Seed for data order, initialisation and sampling."""
     num_threads: int = 0
     """torch intra-op threads per process (0: torch's default)."""
+    resume: bool = False
+    """Continue the run in `out_dir/name` from its last checkpoint (drafter, optimizer, buffer, MLflow run)."""
 
 
 @dataclass

@@ -70,3 +70,48 @@ def test_opd_run_trains_and_logs_curves(opd_run):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"plots", "drafter", "config.yaml", "provenance.json"} <= artifacts
     assert run.data.params["learner.zero_stage"] == "0"
+
+
+def test_resume_continues_the_same_run(opd_run):
+    """A second invocation with run.resume=true picks up version, buffer and MLflow run from the checkpoint."""
+    cfg, first = opd_run
+    run_dir = first["run_dir"]
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy-opd.yaml"
+    state = json.loads(open(f"{run_dir}/checkpoints/latest/driver_state.json").read())
+    buffer_before = json.loads(open(f"{run_dir}/checkpoints/latest/buffer.json").read())
+    cfg2 = load_config(recipe, [f"run.out_dir={cfg.run.out_dir}", *TINY, "opd.num_rounds=3", "run.resume=true"])
+    second = run_opd(cfg2, ["test", "resume"])
+    rows = [r for r in second["history"] if r["phase"] != "sft"]
+    assert rows[-1]["policy_version"] == state["policy_version"] + 1  # one more round of one step
+    assert state["round"] == 2 and len(buffer_before["states"]) > 0
+    client = MlflowClient(resolve_tracking_uri(run_dir))
+    runs = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_id == state["mlflow_run_id"]
+    steps = [m.step for m in client.get_metric_history(state["mlflow_run_id"], "loss_rejected")]
+    assert max(steps) == state["policy_version"] + 1
+
+
+def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
+    import os
+    import signal
+    import time
+
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.engine.speculative import SamplingConfig
+    from draftopd.loading import load_tokenizer
+    from draftopd.opd.actors import rollout_actors
+
+    cfg = load_config(
+        None, ["target.aux_layer_ids=[1,2,3]", "rollout.num_workers=1", "rollout.num_cpus_per_worker=0.5"]
+    )
+    [worker] = rollout_actors(cfg, [2])
+    prompts = encode_chats(load_tokenizer("toy"), toy_prompts("held_out", 8))
+    pid = ray_session.get(worker.pid.remote())
+    ref = worker.generate.remote(prompts, list(range(8)), SamplingConfig(96), None, None, -1, 2)
+    time.sleep(3)
+    os.kill(pid, signal.SIGKILL)
+    trajs = ray_session.get(ref, timeout=300)
+    assert [t.prompt_index for t in trajs] == list(range(8)) and all(t.output_ids for t in trajs)
+    assert ray_session.get(worker.pid.remote()) != pid

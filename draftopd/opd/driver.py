@@ -6,12 +6,13 @@ learner steps on replayed error states -> weight sync -> log, eval, checkpoint.
 
 from __future__ import annotations
 
+import json
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from draftopd.config import Config
+from draftopd.opd.export import save_drafter
 from draftopd.opd.session import DriverState, Session, start_ray
 from draftopd.rundir import RunDir
 from draftopd.tracking import Tracker, acceptance_curve_plot
@@ -45,6 +46,8 @@ def opd_phase(s: Session) -> None:
             s.log(metrics, "opd")
         s.state.round += 1
         refresh_plot(s)
+        if s.state.round % o.checkpoint_every == 0:
+            s.checkpoint()
 
 
 def refresh_plot(s: Session) -> None:
@@ -67,17 +70,25 @@ def refresh_plot(s: Session) -> None:
 def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
     run = RunDir(cfg, list(sys.argv if argv is None else argv))
     state = DriverState()
+    resuming = cfg.run.resume and (run.path / "checkpoints" / "latest" / "driver_state.json").is_file()
+    if resuming:
+        state = DriverState(**json.loads((run.path / "checkpoints" / "latest" / "driver_state.json").read_text()))
     tracker = Tracker(run.path, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tracking_uri or None)
-    state.mlflow_run_id = tracker.start()
+    state.mlflow_run_id = tracker.start(state.mlflow_run_id or None)
     start_ray(cfg)
     s = Session(cfg, run, tracker, state)
     s.log_config()
     s.place_actors()
     try:
-        sft_phase(s)
+        if resuming:
+            s.restore()
+            print(f"resumed at policy version {state.policy_version}, round {state.round}")
+        else:
+            sft_phase(s)
+            s.checkpoint()
         opd_phase(s)
         final = run.checkpoint_dir("final")
-        save_drafter(s, final)
+        save_drafter(ray_get(s.learners[0].weights.remote()), state.drafter_config, final)
         tracker.log_artifact(final, "drafter")
         tracker.end("FINISHED")
     except BaseException:
@@ -91,16 +102,7 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
     return {"run_dir": str(run.path), "drafter": str(final), "history": state.history}
 
 
-def save_drafter(s: Session, path: Path) -> None:
+def ray_get(ref):
     import ray
-    import torch
 
-    from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
-
-    state = ray.get(s.learners[0].weights.remote())
-    cfg = Eagle3Config.from_hf(s.state.drafter_config)
-    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
-    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size)  # not saved; the checkpoint shares the target's
-    drafter = Eagle3Drafter(cfg, embed, d2t=tensors["d2t"])
-    drafter.load_state_dict(tensors, strict=False)
-    drafter.save(path)
+    return ray.get(ref)

@@ -25,6 +25,12 @@ from draftopd.sft.trainer import SFTExample, lr_at
 from draftopd.sft.vocab import build_draft_vocab
 
 
+def _atomic_write(path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 class TrainingError(RuntimeError):
     """The job cannot go on (learner failure, repeated non-finite losses); a checkpoint is left to resume from."""
 
@@ -261,11 +267,35 @@ class Session:
         s = ray.get(self.buffer.stats.remote(self.state.policy_version))
         return {f"buffer/{k}": float(v) for k, v in s.items()}
 
-    def save_state(self) -> None:
-        path = self.run.path / "driver_state.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state.__dict__))
-        tmp.replace(path)
+    @property
+    def checkpoint_path(self):
+        return self.run.path / "checkpoints" / "latest"
+
+    def checkpoint(self) -> None:
+        """Drafter, DeepSpeed state (optimizer included), buffer and driver state; the driver state goes last."""
+        import ray
+
+        from draftopd.opd.export import save_drafter
+
+        ckpt = self.checkpoint_path
+        ckpt.mkdir(parents=True, exist_ok=True)
+        ray.get([learner.save_checkpoint.remote(str(ckpt / "deepspeed")) for learner in self.learners])
+        save_drafter(ray.get(self.learners[0].weights.remote()), self.state.drafter_config, ckpt / "drafter")
+        _atomic_write(ckpt / "buffer.json", json.dumps(ray.get(self.buffer.state_dict.remote())))
+        _atomic_write(ckpt / "driver_state.json", json.dumps(self.state.__dict__))
+
+    def restore(self) -> None:
+        """The inverse of `checkpoint`: learners, buffer and workers back where the checkpoint left them."""
+        import ray
+
+        ckpt = self.checkpoint_path
+        saved = json.loads((ckpt / "driver_state.json").read_text())
+        self.state.__dict__.update({k: v for k, v in saved.items() if k != "mlflow_run_id"})
+        config, weights = ray.get(self.workers[0].load_drafter_dir.remote(str(ckpt / "drafter")))
+        self.place_learners(config, weights)
+        ray.get([learner.load_checkpoint.remote(str(ckpt / "deepspeed")) for learner in self.learners])
+        ray.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
+        self.sync()
 
     def log_config(self) -> None:
         self.tracker.log_params(to_dict(self.cfg))

@@ -159,7 +159,11 @@ class Tracker:
             self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifact(self.run_id, str(path), artifact_path)
+        """A file, or every file of a directory (under `artifact_path`)."""
+        if Path(path).is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_dict(self, obj, name: str) -> None:
         """Write `obj` as the artifact `name` (JSON or YAML by the extension)."""

@@ -23,6 +23,7 @@ TINY = [
     "learner.max_seq_len=192",
     "opd.num_rounds=2",
     "opd.steps_per_round=1",
+    "opd.checkpoint_every=1",
     "opd.eval_every=1",
     "opd.num_eval_prompts=4",
     "eval.max_new_tokens=32",

@@ -157,9 +157,9 @@ class DraftLearner:
             return {k: v.detach().cpu().clone().numpy() for k, v in state.items()}
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
-        self.engine.save_checkpoint(path, tag="latest", client_state={"step": self.step, **(client_state or {})})
+        self.engine.save_checkpoint(path, tag="state", client_state={"step": self.step, **(client_state or {})})
 
     def load_checkpoint(self, path: str) -> dict:
-        _, client = self.engine.load_checkpoint(path, tag="latest")
+        _, client = self.engine.load_checkpoint(path, tag="state")
         self.step = int((client or {}).get("step", 0))
         return client or {}

@@ -116,3 +116,43 @@ def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
     trajs = ray_session.get(ref, timeout=300)
     assert [t.prompt_index for t in trajs] == list(range(8)) and all(t.output_ids for t in trajs)
     assert ray_session.get(worker.pid.remote()) != pid
+
+
+def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
+    """A NaN in the replayed records gives a NaN loss: the step is skipped and counted, weights unchanged."""
+    import math
+
+    import numpy as np
+
+    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+    from draftopd.messages import ErrorState
+    from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.opd.replay import OPDLossConfig
+
+    target, drafter = tiny_pair
+    target.model.save_pretrained(tmp_path / "tiny")
+    state = {
+        k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in drafter.checkpoint_state().items()
+    }
+    cfg = drafter.cfg.to_hf()
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float64", cfg, state, lr=1e-2)
+    learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
+    ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
+    trajs = SpeculativeEngine(target, drafter, [1]).generate([[3, 4, 5], [6, 7]], SamplingConfig(30, 0.0, 4), 0)
+    states = [ErrorState(t, i, 0) for t in trajs for i, s in enumerate(t.steps) if s.rejected]
+    before = ray_session.get(learner.weights.remote())
+    for s in states:
+        s.step.target_logprobs = [math.nan] * len(s.step.target_logprobs)
+    m = ray_session.get(learner.opd_step.remote(states, 4, 0.8, 128, OPDLossConfig()))
+    assert m["skipped_nonfinite"] == 1 and m["num_nonfinite_total"] == 1
+    after = ray_session.get(learner.weights.remote())
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    ray_session.kill(learner)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -22,7 +22,7 @@ def sft_phase(s: Session) -> None:
     examples = s.target_responses()
     s.state.drafter_config, init_state = s.initial_drafter(examples)
     s.place_learners(s.state.drafter_config, init_state)
-    s.sync()
+    s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_start")
     cfg = s.cfg.sft
     total = cfg.epochs * max(1, len(examples) // cfg.batch_size)
     for step in tqdm(range(total), desc="SFT (TTT) on learners", unit="step"):
@@ -51,16 +51,18 @@ def opd_phase(s: Session) -> None:
 
 
 def refresh_plot(s: Session) -> None:
-    rows = [r for r in s.state.history if "eval/toy/tau" in r]
-    history = [
-        {
-            "policy_version": r["policy_version"],
-            "tau": r["eval/toy/tau"],
-            "tau_ceiling": s.cfg.rollout.num_draft_tokens + 1,
-            "acceptance_per_position": [r[k] for k in sorted(r) if k.startswith("eval/toy/accept_pos_")],
-        }
-        for r in rows
-    ]
+    """Rollout tau and held-out tau (with per-position acceptance, held-out) against policy version."""
+    k = s.cfg.rollout.num_draft_tokens
+    history = []
+    for r in s.state.history:
+        row = {"policy_version": r["policy_version"], "tau_ceiling": k + 1}
+        if "rollout/tau" in r:
+            row["tau"] = r["rollout/tau"]
+        if "eval/toy/tau" in r:
+            row["eval/toy/tau"] = r["eval/toy/tau"]
+            row["acceptance_per_position"] = [r[f"eval/toy/accept_pos_{i}"] for i in range(k)]
+        if len(row) > 2:
+            history.append(row)
     if history:
         sft_end = next((r["policy_version"] for r in s.state.history if r["phase"] == "sft_end"), None)
         png = acceptance_curve_plot(history, s.run.path / "acceptance_curve.png", sft_end)

@@ -1,0 +1,98 @@
+"""The same recipe runs on a Ray cluster through `ray job submit`."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+@pytest.mark.slow
+def test_toy_recipe_through_ray_job_submit(tmp_path):
+    port, dash = _free_port(), _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the same mode for the head and the CLI client
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--num-cpus=4",
+            f"--object-store-memory={256 * 2**20}",
+            f"--temp-dir={tmp_path / 'ray'}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{dash}/api/version", 120)
+        out = tmp_path / "runs"
+        cmd = [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dash}",
+            "--working-dir",
+            str(REPO),
+            "--",
+            str(BIN / "draftopd"),
+            "train",
+            "recipes/toy-opd.yaml",
+            f"run.out_dir={out}",
+            "data.num_train_prompts=16",
+            "data.max_new_tokens=32",
+            "sft.epochs=1",
+            "sft.batch_size=8",
+            "sft.ttt_depth=2",
+            "rollout.prompts_per_round=4",
+            "rollout.max_new_tokens=32",
+            "learner.batch_size=2",
+            "opd.num_rounds=1",
+            "opd.steps_per_round=1",
+            "opd.num_eval_prompts=2",
+            "eval.max_new_tokens=16",
+        ]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "succeeded" in (done.stdout + done.stderr).lower()
+        assert "held-out tau" in done.stdout
+        assert (out / "toy-opd" / "checkpoints" / "final" / "model.safetensors").is_file()
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)

@@ -212,6 +212,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,
+    "bench": cmd_bench,
 }
 
 

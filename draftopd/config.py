@@ -175,6 +175,9 @@ class LearnerConfig:
     """Weight of the rejected-draft stream."""
     accepted_divergence: str = "forward_kl"
     """Accepted-stream divergence: forward_kl (full distribution, default), jsd, tv, or bernoulli_fkl (reference)."""
+    accepted_rows: str = "all"
+    """Accepted stream on every response row, teacher-forced (`all`, the reference's full-TTT mode) or only
+    on the replayed blocks (`anchors`, the reference's earlier mode)."""
     max_nonfinite_in_a_row: int = 3
     """Stop the job after this many consecutive non-finite losses (each one skips its step)."""
     num_threads: int = 1

@@ -163,3 +163,29 @@ def test_drafter_for_another_vocabulary(capsys, prompt_file, tmp_path):
 def test_train_config_typo(capsys, tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy-sft.yaml"
     one_line_error(capsys, ["train", str(recipe), "sft.epoch=1"], "did you mean 'sft.epochs'")
+
+
+def test_bench_opd_vs_sft_matches_learner_tokens(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(
+        [
+            "bench",
+            "opd-vs-sft",
+            "--sft-steps",
+            "3",
+            "--batch-size",
+            "4",
+            "--num-train-prompts",
+            "8",
+            "--num-eval-prompts",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    r = json.loads(out.read_text())
+    sft, opd = r["sft"]["learner_tokens"], r["opd"]["learner_tokens"]
+    assert sft > 0 and sft <= opd < sft + 4 * 320  # OPD stops within one batch of the SFT arm's budget
+    assert r["tau_ratio_opd_over_sft"] == pytest.approx(r["opd"]["tau"] / r["sft"]["tau"])
+    assert 1.0 <= r["start"]["tau"] <= 5.0 and r["opd"]["learner_steps"] > 0

@@ -72,16 +72,34 @@ def test_replay_streams_follow_the_acceptance(tiny_pair):
     trajs = SpeculativeEngine(target, drafter, [1]).generate(random_prompts(4, 16, seed=8), SamplingConfig(30, 0.0, 5))
     states = [ErrorState(t, i, 0) for t in trajs for i, s in enumerate(t.steps) if s.rejected]
     t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
-    batch = build_replay_batch(states, t2d, depth=5, decay=0.8, max_len=512)
+    batch = build_replay_batch(states, t2d, depth=5, decay=0.8, max_len=512, accepted_rows="anchors")
     rows = {tid: r for r, tid in enumerate(dict.fromkeys(id(s.trajectory) for s in states))}
     for s in states:
         row, t, a = rows[id(s.trajectory)], s.step.position - 2, s.step.num_accepted
         acc = [d for d in range(5) if batch.acc_weight[row, d, t] > 0]
         rej = [d for d in range(5) if batch.rej_weight[row, d, t] > 0]
-        assert rej == list(range(a, 5)) and acc == list(range(0, min(a, 4) + 1))
+        labelled = [d for d in range(min(a, 4) + 1) if s.step.position + d < len(s.trajectory.full_ids)]
+        assert rej == list(range(a, 5)) and acc == labelled
         assert batch.rej_weight[row, a, t].item() == pytest.approx(0.8**a)
         assert batch.rej_target_logp[row, a, t].item() == pytest.approx(s.step.target_logprobs[a])
     loss, metrics = opd_loss(drafter, target, batch, OPDLossConfig())
     assert torch.isfinite(loss) and metrics["num_rejected_tokens"] > 0 and metrics["num_accepted_tokens"] > 0
     for kind in ["jsd", "tv", "bernoulli_fkl"]:
         assert torch.isfinite(opd_loss(drafter, target, batch, OPDLossConfig(accepted_divergence=kind))[0])
+
+
+def test_all_rows_mode_adds_teacher_forced_rows(tiny_pair):
+    target, drafter = tiny_pair
+    [traj] = SpeculativeEngine(target, drafter, [1]).generate([[3, 4, 5, 6]], SamplingConfig(30, 0.0, 3))
+    states = [ErrorState(traj, i, 0) for i, s in enumerate(traj.steps) if s.rejected]
+    t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
+    anchors = build_replay_batch(states, t2d, 3, 0.8, 512, accepted_rows="anchors")
+    full = build_replay_batch(states, t2d, 3, 0.8, 512, accepted_rows="all")
+    p, n = len(traj.prompt_ids), len(traj.full_ids)
+    # Depth 0: rows p-2 .. n-2 score positions p-1 .. n-2, every response token once.
+    assert (full.acc_weight[0, 0] > 0).nonzero().squeeze(1).tolist() == list(range(p - 2, n - 2))
+    assert int((full.acc_weight > 0).sum()) > int((anchors.acc_weight > 0).sum())
+    for s in states:  # own-draft depths past the first rejection never get a teacher-forced label
+        t, a = s.step.position - 2, s.step.num_accepted
+        assert all(full.acc_weight[0, d, t] == 0 for d in range(a + 1, 3))
+    assert torch.equal(full.rej_weight, anchors.rej_weight)

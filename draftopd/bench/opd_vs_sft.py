@@ -38,6 +38,7 @@ class BenchSettings:
     max_new_tokens: int = 96
     max_seq_len: int = 320
     decay: float = 0.8
+    accepted_rows: str = "all"
     seed: int = 0
 
 
@@ -85,7 +86,9 @@ def opd_arm(drafter, target, eos, prompts: list[list[int]], budget: int, s: Benc
                 states = buffer.sample(s.batch_size, version)
                 if not states or tokens >= budget:
                     break
-                batch = build_replay_batch(states, t2d, s.num_draft_tokens, s.decay, s.max_seq_len)
+                batch = build_replay_batch(
+                    states, t2d, s.num_draft_tokens, s.decay, s.max_seq_len, accepted_rows=s.accepted_rows
+                )
                 used = int(batch.valid.sum())
                 drafter.train()
                 loss, _ = opd_loss(drafter, target, batch, OPDLossConfig())

@@ -143,7 +143,7 @@ class DraftLearner:
 
         self.engine.train()
         t2d = target_to_draft_index(self.drafter.draft_to_target_ids(), self.target.vocab_size)
-        batch = build_replay_batch(states, t2d, depth, decay, max_len)
+        batch = build_replay_batch(states, t2d, depth, decay, max_len, accepted_rows=loss_cfg.accepted_rows)
         loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
         return self._apply(loss, metrics, lr)
 

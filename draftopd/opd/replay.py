@@ -58,9 +58,28 @@ def _group(states: list[ErrorState]) -> list[list[ErrorState]]:
     return list(groups.values())
 
 
+def _all_rows_weights(acc_w: torch.Tensor, row: int, prompt_len: int, length: int, decay: float) -> None:
+    """Teacher-forced weights on every response row: depth d at row t scores position j = t + 1 + d
+    when token j + 1 is a response token (the SFT loss positions)."""
+    for d in range(acc_w.shape[1]):
+        lo, hi = max(prompt_len - 2 - d, 0), length - 3 - d  # rows t with prompt_len - 1 <= j <= length - 2
+        if hi >= lo:
+            acc_w[row, d, lo : hi + 1] = decay**d
+
+
 def build_replay_batch(
-    states: list[ErrorState], t2d_index: torch.Tensor, depth: int, decay: float, max_len: int, pad_id: int = 0
+    states: list[ErrorState],
+    t2d_index: torch.Tensor,
+    depth: int,
+    decay: float,
+    max_len: int,
+    pad_id: int = 0,
+    accepted_rows: str = "all",
 ) -> ReplayBatch:
+    """`accepted_rows`: "all" scores the accepted stream on every response row (teacher-forced, as the
+    reference's full-TTT mode), "anchors" only at the replayed steps' own blocks."""
+    if accepted_rows not in ("all", "anchors"):
+        raise ValueError(f"accepted_rows must be 'all' or 'anchors', got {accepted_rows!r}")
     groups = _group(states)
     seqs = [g[0].trajectory.full_ids[:max_len] for g in groups]
     b, width = len(seqs), max(len(s) for s in seqs)
@@ -78,6 +97,8 @@ def build_replay_batch(
     used = 0
     for row, group in enumerate(groups):
         length = len(seqs[row])
+        if accepted_rows == "all":
+            _all_rows_weights(acc_w, row, len(group[0].trajectory.prompt_ids), length, decay)
         for state in group:
             step = state.step
             t, a, k = step.position - 2, step.num_accepted, min(len(step.draft_tokens), depth)
@@ -87,8 +108,8 @@ def build_replay_batch(
             for d in range(k):
                 if d:
                     depth_tokens[row, d, t] = step.draft_tokens[d - 1]
-                if d <= a and t + 1 + d <= length - 1:
-                    acc_w[row, d, t] = decay**d
+                # Depth d sees the target's own text only while the drafts before it were accepted.
+                acc_w[row, d, t] = decay**d if d <= a and t + 2 + d <= length - 1 else 0.0  # label exists
                 if d >= a:
                     rej_w[row, d, t] = decay**d
                     rej_idx[row, d, t] = max(int(t2d_index[step.draft_tokens[d]]), 0)
@@ -103,6 +124,7 @@ class OPDLossConfig:
     accepted_divergence: str = "forward_kl"
     acc_coef: float = 1.0
     rej_coef: float = 1.0
+    accepted_rows: str = "all"
 
 
 def replay_forward(drafter, target, batch: ReplayBatch, forward=None):

@@ -216,7 +216,7 @@ class Session:
         if ray.get(self.buffer.stats.remote())["size"] == 0:
             return {}
         samples = [self.buffer.sample.remote(lc.batch_size, self.state.policy_version) for _ in range(n)]
-        loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef)
+        loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
         t0 = time.perf_counter()
         m = self._learner_call(
             "opd_step", samples, self.cfg.rollout.num_draft_tokens, lc.decay, lc.max_seq_len, loss_cfg, lc.lr

@@ -38,6 +38,7 @@ class BenchSettings:
     max_new_tokens: int = 96
     max_seq_len: int = 320
     decay: float = 0.8
+    temperature: float = 0.0
     accepted_rows: str = "all"
     seed: int = 0
 
@@ -77,7 +78,7 @@ def opd_arm(drafter, target, eos, prompts: list[list[int]], budget: int, s: Benc
             start += s.rollout_prompts
             t0 = time.perf_counter()
             trajs = SpeculativeEngine(target, drafter.eval(), eos).generate(
-                chunk, SamplingConfig(s.max_new_tokens, 0.0, s.num_draft_tokens, s.seed + version), version
+                chunk, SamplingConfig(s.max_new_tokens, s.temperature, s.num_draft_tokens, s.seed + version), version
             )
             rollout_s += time.perf_counter() - t0
             rollout_tokens += sum(len(t.output_ids) for t in trajs)
@@ -115,7 +116,9 @@ def run_bench(target, eos, load_start, train_prompts, eval_prompts, s: BenchSett
     """`load_start()` returns a fresh copy of the starting drafter each time it is called."""
     torch.manual_seed(s.seed)
     engine = SpeculativeEngine(target, None, eos)
-    responses = engine.generate(train_prompts, SamplingConfig(s.max_new_tokens, 0.5, 0, s.seed))
+    # The SFT arm learns from the same kind of text the OPD arm's rollouts follow (the target at the rollout
+    # temperature), so the comparison isolates the on-policy signal, not a change of data distribution.
+    responses = engine.generate(train_prompts, SamplingConfig(s.max_new_tokens, s.temperature, 0, s.seed))
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in responses]
     start = held_out_tau(load_start(), target, eos, eval_prompts, s)
     sft = load_start()

@@ -216,8 +216,20 @@ COMMANDS = {
 }
 
 
+def _quiet_model_loading() -> None:
+    """Our own progress bars cover long work; the per-file bars of model loading are noise (and would split an
+    error message over several lines)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_model_loading()
     try:
         rc = COMMANDS[args.command](args)
     except USER_ERRORS as exc:

@@ -35,7 +35,12 @@ def _wait_http(url: str, seconds: float) -> None:
 
 @pytest.mark.slow
 def test_toy_recipe_through_ray_job_submit(tmp_path):
+    import shutil
+    import tempfile
+
     port, dash = _free_port(), _free_port()
+    # Ray's unix socket paths must stay short (about 100 characters): pytest's tmp_path is too deep.
+    ray_tmp = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the same mode for the head and the CLI client
     head = subprocess.Popen(
         [
@@ -49,7 +54,7 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             f"--dashboard-port={dash}",
             "--num-cpus=4",
             f"--object-store-memory={256 * 2**20}",
-            f"--temp-dir={tmp_path / 'ray'}",
+            f"--temp-dir={ray_tmp}",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -96,3 +101,4 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"draftopd {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        if type(exc).__name__ != "TrainingError":  # only the driver's deliberate stops are shown this way
+            raise
+        print(f"draftopd {args.command}: stopped: {exc} (continue with run.resume=true)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"draftopd {args.command}: interrupted", file=sys.stderr)
         return 130

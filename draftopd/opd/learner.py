@@ -118,7 +118,6 @@ class DraftLearner:
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if finite.item() == 0:
             self.num_nonfinite += 1
-            self.engine.zero_grad() if hasattr(self.engine, "zero_grad") else None
             return {**metrics, "skipped_nonfinite": 1, "num_nonfinite_total": self.num_nonfinite}
         if lr is not None:
             for g in self.engine.optimizer.param_groups:

@@ -90,7 +90,11 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             "opd.num_eval_prompts=2",
             "eval.max_new_tokens=16",
         ]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        for _ in range(24):  # the dashboard answers before the node's job agent has registered
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if "No available agent" not in done.stdout + done.stderr:
+                break
+            time.sleep(5)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "succeeded" in (done.stdout + done.stderr).lower()
         assert "held-out tau" in done.stdout

@@ -272,6 +272,18 @@ class Eagle3Drafter(nn.Module):
 
     # ---- checkpoints -------------------------------------------------------
 
+    def numpy_state(self) -> dict:
+        """`checkpoint_state` as numpy copies: what crosses process boundaries (never views of live buffers)."""
+        return {k: v.detach().cpu().clone().numpy() for k, v in self.checkpoint_state().items()}
+
+    @classmethod
+    def from_state(cls, drafter_config: dict, state: dict, embed_weight: torch.Tensor) -> Eagle3Drafter:
+        """A drafter from a config.json dict and `numpy_state` arrays, bound to `embed_weight`."""
+        tensors = state_to_tensors(state)
+        drafter = cls(Eagle3Config.from_hf(drafter_config), embed_weight, d2t=tensors["d2t"])
+        drafter.load_state_dict(tensors, strict=False)
+        return drafter.to(embed_weight.dtype)
+
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """Weights under the names vLLM's EAGLE-3 loader expects (no embedding)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
@@ -301,3 +313,10 @@ class Eagle3Drafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
         return model.to(embed_weight.dtype)
+
+
+def state_to_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """numpy arrays (possibly read-only, from Ray's object store) -> writable tensors."""
+    import numpy as np
+
+    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}

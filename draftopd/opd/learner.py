@@ -96,17 +96,14 @@ class DraftLearner:
         if master is not None:
             self.master = tuple(master)
         from draftopd.loading import load_target
-        from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+        from draftopd.models.eagle3 import Eagle3Drafter
 
         torch.set_num_threads(self.spec.num_threads)
         torch.manual_seed(self.spec.seed)
         _init_distributed(self.rank, self.world_size, *self.master)
         self.target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
-        cfg = Eagle3Config.from_hf(self.spec.drafter_config)
-        state = {k: torch.from_numpy(v.copy()) for k, v in self.spec.drafter_state.items()}
-        drafter = Eagle3Drafter(cfg, self.target.embed_tokens().weight, d2t=state["d2t"]).to(self.target.dtype)
-        drafter.load_state_dict(state, strict=False)
-        self.drafter = drafter
+        embed = self.target.embed_tokens().weight
+        self.drafter = drafter = Eagle3Drafter.from_state(self.spec.drafter_config, self.spec.drafter_state, embed)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
@@ -152,8 +149,7 @@ class DraftLearner:
 
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
-            state = self.engine.module.checkpoint_state()
-            return {k: v.detach().cpu().clone().numpy() for k, v in state.items()}
+            return self.engine.module.numpy_state()
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
         self.engine.save_checkpoint(path, tag="state", client_state={"step": self.step, **(client_state or {})})

@@ -47,7 +47,7 @@ class RolloutWorker:
 
         self.setup()
         d = new_drafter(drafter_cfg, self.target, torch.tensor(draft_to_target))
-        return d.cfg.to_hf(), {k: v.detach().clone().numpy() for k, v in d.checkpoint_state().items()}
+        return d.cfg.to_hf(), d.numpy_state()
 
     def load_drafter_dir(self, path: str) -> tuple[dict, dict]:
         """An existing checkpoint as (config dict, numpy weights), checked against the target."""
@@ -55,21 +55,20 @@ class RolloutWorker:
 
         self.setup()
         d = load_drafter(path, self.target)
-        return d.cfg.to_hf(), {k: v.detach().clone().numpy() for k, v in d.checkpoint_state().items()}
+        return d.cfg.to_hf(), d.numpy_state()
 
     def load_weights(self, drafter_config: dict, state: dict[str, np.ndarray], version: int) -> int:
         """Switch to the given drafter weights (between requests); returns the version now in use."""
         if version == self.policy_version and self.drafter is not None:
             return version
-        from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+        from draftopd.models.eagle3 import Eagle3Drafter, state_to_tensors
 
         self.setup()
-        tensors = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}
         if self.drafter is None:
-            cfg = Eagle3Config.from_hf(drafter_config)
-            self.drafter = Eagle3Drafter(cfg, self.target.embed_tokens().weight, d2t=tensors["d2t"])
-        self.drafter.load_state_dict(tensors, strict=False)
-        self.drafter.to(self.target.dtype).eval()
+            self.drafter = Eagle3Drafter.from_state(drafter_config, state, self.target.embed_tokens().weight)
+        else:
+            self.drafter.load_state_dict(state_to_tensors(state), strict=False)
+        self.drafter.eval()
         self.policy_version = version
         return version
 

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftopd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="run a recipe: SFT (and later Draft-OPD) of a drafter")
-    p.add_argument("recipe", help="recipe YAML")
+    p = sub.add_parser("train", help="run a recipe: SFT of a drafter, then Draft-OPD when the recipe enables it")
+    p.add_argument("recipe", help="recipe YAML, or a run directory to resume")
     p.add_argument("overrides", nargs="*", help="section.field=value")
 
     p = sub.add_parser("generate", help="decode prompts, with or without a drafter, writing step records")
@@ -147,10 +147,17 @@ def cmd_eval(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from draftopd.config import load_config
+    from draftopd.config import ConfigError, load_config
     from draftopd.sft.pipeline import run_sft
 
-    cfg = load_config(args.recipe, args.overrides)
+    run_dir = Path(args.recipe)
+    if run_dir.is_dir():  # a run directory: resume it with the config it was started with
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is a directory but not a run directory (it has no config.yaml)")
+        resume = [f"run.out_dir={run_dir.resolve().parent}", f"run.name={run_dir.name}", "run.resume=true"]
+        cfg = load_config(run_dir / "config.yaml", [*resume, *args.overrides])
+    else:
+        cfg = load_config(args.recipe, args.overrides)
     if cfg.opd.enabled:
         from draftopd.opd.driver import run_opd
 

@@ -205,7 +205,8 @@ class OPDConfig:
 @dataclass
 class SyncConfig:
     backend: str = "object_store"
-    """Weight transport from learner rank 0 to the rollout workers: `object_store` (Ray's object store)."""
+    """Weight transport from learner rank 0 to the rollout workers: `object_store` (Ray's object store, any
+    cluster), `nccl` (a broadcast group, GPUs) or `gloo` (the same group on CPUs)."""
 
 
 @dataclass
@@ -302,7 +303,26 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
             key = getattr(exc, "full_key", None) or "?"
             msg = str(exc).splitlines()[0]
             raise ConfigError(f"{source}: bad value for '{key}': {msg}") from None
-    return OmegaConf.to_object(merged)
+    cfg = OmegaConf.to_object(merged)
+    _check_choices(cfg)
+    return cfg
+
+
+# String fields with a closed set of values: checked at load time, before any actor starts.
+CHOICES = {
+    "sync.backend": ("object_store", "nccl", "gloo"),
+    "learner.accepted_divergence": ("forward_kl", "jsd", "tv", "bernoulli_fkl"),
+    "learner.accepted_rows": ("all", "anchors"),
+    "buffer.sampling": ("uniform", "error_weighted"),
+}
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,4 +1,4 @@
-"""Typed records that cross role boundaries: verification steps and trajectories.
+"""Typed records that cross role boundaries: verification steps, trajectories, error states, weight updates.
 
 These are what Draft-OPD learns from: every verification step of a
 target-assisted rollout exposes where the drafter was wrong. They are plain
@@ -9,6 +9,7 @@ serialise to JSON lines.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -100,3 +101,22 @@ class ErrorState:
     @property
     def step(self) -> VerificationStep:
         return self.trajectory.steps[self.step_index]
+
+
+@dataclass
+class WeightUpdate:
+    """The drafter a rollout worker must generate with: what every generate call carries.
+
+    Invariants: `policy_version` counts learner steps (0 is the starting drafter)
+    and only grows within a run; `drafter_config` is the drafter's config.json
+    dict; exactly one of `state_ref` (a Ray object reference to numpy weights,
+    the object-store transport) and `group` (the collective group the weights
+    were broadcast over) is set. A worker that holds `policy_version` already
+    ignores the rest; one that does not fetches `state_ref`, or, with only a
+    `group`, refuses (it was restarted after the broadcast).
+    """
+
+    policy_version: int
+    drafter_config: dict
+    state_ref: Any = None
+    group: str = ""

@@ -53,3 +53,9 @@ def test_recipe_typo_is_an_error(tmp_path):
 def test_missing_recipe_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("key", ["sync.backend", "learner.accepted_divergence", "learner.accepted_rows"])
+def test_closed_choices_are_checked(key):
+    with pytest.raises(ConfigError, match=f"{key}='bogus' is not one of"):
+        load_config(None, [f"{key}=bogus"])

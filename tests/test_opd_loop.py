@@ -1,6 +1,12 @@
 """Draft-OPD end to end on real Ray actors, real DeepSpeed (2 gloo ranks) and a real MLflow store."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -30,26 +36,68 @@ TINY = [
 ]
 
 
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "toy-opd.yaml"
+DRAFTOPD = Path(sys.executable).parent / "draftopd"
+
+
+def _wait_for(predicate, seconds: float, proc):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited with {proc.returncode} first: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.1)
+    raise TimeoutError("condition not reached")
+
+
+def _checkpoint_state(run_dir: Path) -> dict:
+    pointer = run_dir / "checkpoints" / "latest.json"
+    if not pointer.is_file():
+        return {"round": -1}
+    ckpt = run_dir / "checkpoints" / json.loads(pointer.read_text())["dir"]
+    return json.loads((ckpt / "driver_state.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def opd_run(ray_session, tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    from pathlib import Path
+    """Four rounds and two crashes: the driver is SIGKILLed after round 1, then the learners after round 2.
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy-opd.yaml"
-    cfg = load_config(recipe, [f"run.out_dir={out}", *TINY])
-    return cfg, run_opd(cfg, ["test"])
+    Each crash is followed by a resume; the last one runs to the end in this process.
+    """
+    out = tmp_path_factory.mktemp("runs")
+    args = [f"run.out_dir={out}", *TINY, "opd.num_rounds=4"]
+    run_dir = out / "toy-opd"
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    pipes = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    driver = subprocess.Popen([str(DRAFTOPD), "train", str(RECIPE), *args], **pipes)
+    _wait_for(lambda: _checkpoint_state(run_dir)["round"] >= 1, 600, driver)
+    driver.kill()
+    assert driver.wait(60) == -signal.SIGKILL
+    killed_at = _checkpoint_state(run_dir)
+
+    driver = subprocess.Popen([str(DRAFTOPD), "train", str(run_dir)], **pipes)  # a run directory resumes
+    _wait_for(lambda: _checkpoint_state(run_dir)["round"] >= 2, 600, driver)
+    learners = subprocess.run(["pgrep", "-f", "ray::DraftLearner"], capture_output=True, text=True).stdout.split()
+    for pid in learners:
+        os.kill(int(pid), signal.SIGKILL)
+    _, learner_stderr = driver.communicate(timeout=300)
+
+    cfg = load_config(RECIPE, [*args, "run.resume=true"])
+    return cfg, run_opd(cfg, ["test", "resume"]), killed_at, driver.returncode, learner_stderr
 
 
 def test_opd_run_trains_and_logs_curves(opd_run):
-    cfg, result = opd_run
+    cfg, result, _, _, _ = opd_run
     run_dir = result["run_dir"]
-    state_rows = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
-    phases = {r["phase"] for r in state_rows}
+    phases = {json.loads(x)["phase"] for x in open(f"{run_dir}/metrics.jsonl")}
     assert {"sft", "sft_end", "rollout", "opd"} <= phases
-    opd_rows = [r for r in state_rows if r["phase"] == "opd" and "loss" in r]
+    history = result["history"]
+    opd_rows = [r for r in history if r["phase"] == "opd" and "loss" in r]
     assert opd_rows and all("loss_accepted" in r and "loss_rejected" in r for r in opd_rows)
-    versions = [r["policy_version"] for r in state_rows]
-    assert versions == sorted(versions) and versions[-1] == 2 + 2  # 2 SFT steps + 2 OPD steps
+    versions = [r["policy_version"] for r in history]
+    assert versions == sorted(versions) and versions[-1] == 2 + 4  # 2 SFT steps + 4 rounds of 1 OPD step
 
     client = MlflowClient(resolve_tracking_uri(run_dir))
     run = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])[0]
@@ -73,25 +121,21 @@ def test_opd_run_trains_and_logs_curves(opd_run):
     assert run.data.params["learner.zero_stage"] == "0"
 
 
-def test_resume_continues_the_same_run(opd_run):
-    """A second invocation with run.resume=true picks up version, buffer and MLflow run from the checkpoint."""
-    cfg, first = opd_run
-    run_dir = first["run_dir"]
-    from pathlib import Path
-
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy-opd.yaml"
-    state = json.loads(open(f"{run_dir}/checkpoints/latest/driver_state.json").read())
-    buffer_before = json.loads(open(f"{run_dir}/checkpoints/latest/buffer.json").read())
-    cfg2 = load_config(recipe, [f"run.out_dir={cfg.run.out_dir}", *TINY, "opd.num_rounds=3", "run.resume=true"])
-    second = run_opd(cfg2, ["test", "resume"])
-    rows = [r for r in second["history"] if r["phase"] != "sft"]
-    assert rows[-1]["policy_version"] == state["policy_version"] + 1  # one more round of one step
-    assert state["round"] == 2 and len(buffer_before["states"]) > 0
-    client = MlflowClient(resolve_tracking_uri(run_dir))
+def test_crashes_resume_into_the_same_run(opd_run):
+    """A killed driver and killed learners each leave a checkpoint; resuming continues version and MLflow run."""
+    cfg, result, killed_at, learner_rc, learner_stderr = opd_run
+    assert killed_at["round"] >= 1
+    assert learner_rc == 1, learner_stderr[-3000:]
+    message = learner_stderr.strip().splitlines()[-1]
+    assert message.startswith("draftopd train: stopped: a learner rank died during"), message
+    assert "resumable checkpoint" in message and "run.resume=true" in message
+    client = MlflowClient(resolve_tracking_uri(result["run_dir"]))
     runs = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
-    assert len(runs) == 1 and runs[0].info.run_id == state["mlflow_run_id"]
-    steps = [m.step for m in client.get_metric_history(state["mlflow_run_id"], "loss_rejected")]
-    assert max(steps) == state["policy_version"] + 1
+    assert len(runs) == 1 and runs[0].info.run_id == killed_at["mlflow_run_id"]
+    steps = [m.step for m in client.get_metric_history(killed_at["mlflow_run_id"], "loss_rejected")]
+    assert max(steps) == result["history"][-1]["policy_version"] == 6
+    rounds = {m.step for m in client.get_metric_history(killed_at["mlflow_run_id"], "rollout/tau")}
+    assert len(rounds) == 4, rounds
 
 
 def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
@@ -110,7 +154,7 @@ def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
     [worker] = rollout_actors(cfg, [2])
     prompts = encode_chats(load_tokenizer("toy"), toy_prompts("held_out", 8))
     pid = ray_session.get(worker.pid.remote())
-    ref = worker.generate.remote(prompts, list(range(8)), SamplingConfig(96), None, None, -1, 2)
+    ref = worker.generate.remote(prompts, list(range(8)), SamplingConfig(96), None, 2)
     time.sleep(3)
     os.kill(pid, signal.SIGKILL)
     trajs = ray_session.get(ref, timeout=300)
@@ -156,3 +200,97 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_repeated_nonfinite_losses_stop_the_job(ray_session, tmp_path):
+    """A NaN learning rate poisons the drafter after one step: the following losses are NaN, two in a row stop."""
+    from draftopd.opd.session import TrainingError
+
+    over = [f"run.out_dir={tmp_path}", *TINY, "opd.num_rounds=4", "learner.lr=.nan"]
+    cfg = load_config(RECIPE, [*over, "learner.max_nonfinite_in_a_row=2"])
+    with pytest.raises(TrainingError, match="2 non-finite losses in a row; stopping; resumable checkpoint"):
+        run_opd(cfg, ["test"])
+    rows = [json.loads(x) for x in open(tmp_path / "toy-opd" / "metrics.jsonl")]
+    skipped = [r for r in rows if r["phase"] == "opd" and r.get("skipped_nonfinite") == 1]
+    assert len(skipped) == 1 and skipped[0]["num_nonfinite_total"] == 1  # the stopping step is not logged
+
+
+def test_collective_weight_sync_reaches_every_worker(ray_session, tiny_pair, tmp_path):
+    """Learner rank 0 broadcasts into two workers' drafters; a restarted worker refuses, and a new publish heals it."""
+    import numpy as np
+
+    from draftopd.engine.speculative import SamplingConfig
+    from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.opd.rollout import RolloutWorker
+    from draftopd.opd.weight_sync import CollectiveSync, StaleWeights
+    from draftopd.sft.trainer import SFTExample
+
+    target, drafter = tiny_pair
+    target.model.save_pretrained(tmp_path / "tiny")
+    spec = LearnerSpec(
+        str(tmp_path / "tiny"), target.aux_layer_ids, "float32", drafter.cfg.to_hf(), drafter.numpy_state()
+    )
+    learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
+    ray_session.get(learner.setup.remote(2, ("127.0.0.1", _free_port())))
+    worker_cls = ray_session.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
+    workers = [worker_cls.remote(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1, i) for i in (0, 1)]
+    sync = CollectiveSync("gloo", timeout_s=60)
+
+    def same_weights():
+        want = ray_session.get(learner.weights.remote())
+        got = ray_session.get([w.weights.remote() for w in workers])
+        return all(g is not None and all(np.array_equal(want[k], g[k]) for k in want) for g in got)
+
+    sync.publish([learner], workers, drafter.cfg.to_hf(), 0)
+    assert same_weights()
+    start = ray_session.get(learner.weights.remote())
+    ray_session.get(learner.sft_step.remote([SFTExample([3, 4, 5, 6, 7, 8, 9, 10], 3)], 2, 0.8, 64, 0.05))
+    update = sync.publish([learner], workers, drafter.cfg.to_hf(), 1)
+    assert same_weights() and ray_session.get(workers[0].apply_update.remote(update)) == 1
+    assert not np.array_equal(start["fc.weight"], ray_session.get(workers[1].weights.remote())["fc.weight"])
+
+    first_group = sync.group
+    os.kill(ray_session.get(workers[1].pid.remote()), signal.SIGKILL)
+    with pytest.raises(StaleWeights, match="holds policy version -1, not 1"):
+        ray_session.get(workers[1].generate.remote([[3, 4, 5]], [0], SamplingConfig(8, 0.0, 2), update, 1))
+    sync.publish([learner], workers, drafter.cfg.to_hf(), 1)
+    assert sync.group != first_group and same_weights()
+    trajs = ray_session.get(workers[1].generate.remote([[3, 4, 5]], [0], SamplingConfig(8, 0.0, 2), update, 1))
+    assert trajs[0].policy_version == 1 and trajs[0].output_ids
+    for actor in [learner, *workers]:
+        ray_session.kill(actor)
+
+
+class _Peer:
+    """One end of a weight-sync group, without the models around it."""
+
+    def join(self, rank: int, host: str, port: int, backend: str):
+        from draftopd.opd.weight_sync import join_group
+
+        self.group = join_group(backend, host, port, rank, 2, 60)
+
+    def exchange(self, backend: str, items: list, state):
+        from draftopd.opd.weight_sync import broadcast_state
+
+        return broadcast_state(self.group, backend, items, state)
+
+
+@pytest.mark.gpu
+def test_nccl_broadcast_between_two_gpus(ray_session, tiny_pair):
+    """The GPU transport of CollectiveSync: the same functions over NCCL, one GPU per rank."""
+    import numpy as np
+    import torch
+
+    from draftopd.opd.weight_sync import manifest
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL weight sync needs two GPUs (one per rank)")
+    state = tiny_pair[1].numpy_state()
+    items = manifest(state)
+    peers = [ray_session.remote(_Peer).options(num_cpus=0.25, num_gpus=1).remote() for _ in range(2)]
+    port = _free_port()
+    ray_session.get([p.join.remote(r, "127.0.0.1", port, "nccl") for r, p in enumerate(peers)])
+    _, got = ray_session.get(
+        [peers[0].exchange.remote("nccl", items, state), peers[1].exchange.remote("nccl", items, None)]
+    )
+    assert all(np.array_equal(state[k], got[k]) and got[k].dtype == state[k].dtype for k in state)

@@ -9,8 +9,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -33,12 +31,11 @@ def _wait_http(url: str, seconds: float) -> None:
     raise TimeoutError(url)
 
 
-@pytest.mark.slow
 def test_toy_recipe_through_ray_job_submit(tmp_path):
     import shutil
     import tempfile
 
-    port, dash = _free_port(), _free_port()
+    port, dash, agent = _free_port(), _free_port(), _free_port()
     # Ray's unix socket paths must stay short (about 100 characters): pytest's tmp_path is too deep.
     ray_tmp = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the same mode for the head and the CLI client
@@ -52,6 +49,8 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             f"--port={port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash}",
+            # the job agent's HTTP port defaults to 52365, which the test session's own Ray already holds
+            f"--dashboard-agent-listen-port={agent}",
             "--num-cpus=4",
             f"--object-store-memory={256 * 2**20}",
             f"--temp-dir={ray_tmp}",
@@ -90,7 +89,7 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             "opd.num_eval_prompts=2",
             "eval.max_new_tokens=16",
         ]
-        for _ in range(24):  # the dashboard answers before the node's job agent has registered
+        for _ in range(12):  # the dashboard answers before the node's job agent has registered
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if "No available agent" not in done.stdout + done.stderr:
                 break

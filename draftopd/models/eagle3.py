@@ -273,8 +273,15 @@ class Eagle3Drafter(nn.Module):
     # ---- checkpoints -------------------------------------------------------
 
     def numpy_state(self) -> dict:
-        """`checkpoint_state` as numpy copies: what crosses process boundaries (never views of live buffers)."""
-        return {k: v.detach().cpu().clone().numpy() for k, v in self.checkpoint_state().items()}
+        """`checkpoint_state` as numpy copies: what crosses process boundaries (never views of live buffers).
+
+        numpy has no bfloat16: those tensors travel as float32 (exact) and are cast back on load.
+        """
+        out = {}
+        for k, v in self.checkpoint_state().items():
+            v = v.detach().cpu()
+            out[k] = (v.float() if v.dtype == torch.bfloat16 else v.clone()).numpy()
+        return out
 
     @classmethod
     def from_state(cls, drafter_config: dict, state: dict, embed_weight: torch.Tensor) -> Eagle3Drafter:

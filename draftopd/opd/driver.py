@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from draftopd.config import Config
 from draftopd.opd.export import save_drafter
-from draftopd.opd.session import DriverState, Session, start_ray
+from draftopd.opd.session import DriverState, Session, TrainingError, latest_checkpoint, start_ray
 from draftopd.rundir import RunDir
 from draftopd.tracking import Tracker, acceptance_curve_plot
 
@@ -72,9 +72,12 @@ def refresh_plot(s: Session) -> None:
 def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
     run = RunDir(cfg, list(sys.argv if argv is None else argv))
     state = DriverState()
-    resuming = cfg.run.resume and (run.path / "checkpoints" / "latest" / "driver_state.json").is_file()
+    ckpt = latest_checkpoint(run.path) if cfg.run.resume else None
+    resuming = ckpt is not None
+    if cfg.run.resume and not resuming:
+        print(f"run.resume=true but {run.path} holds no checkpoint yet: starting from the beginning")
     if resuming:
-        state = DriverState(**json.loads((run.path / "checkpoints" / "latest" / "driver_state.json").read_text()))
+        state = DriverState(**json.loads((ckpt / "driver_state.json").read_text()))
     tracker = Tracker(run.path, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tracking_uri or None)
     state.mlflow_run_id = tracker.start(state.mlflow_run_id or None)
     start_ray(cfg)
@@ -90,9 +93,14 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
             s.checkpoint()
         opd_phase(s)
         final = run.checkpoint_dir("final")
-        save_drafter(ray_get(s.learners[0].weights.remote()), state.drafter_config, final)
+        save_drafter(s.drafter_weights(), state.drafter_config, final)
         tracker.log_artifact(final, "drafter")
         tracker.end("FINISHED")
+    except TrainingError as exc:
+        tracker.end("FAILED")
+        ckpt = latest_checkpoint(run.path)
+        where = f"; resumable checkpoint {ckpt}" if ckpt else ""
+        raise TrainingError(f"{exc}{where}") from None
     except BaseException:
         tracker.end("FAILED")
         raise
@@ -102,9 +110,3 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
         f"{state.policy_version}); MLflow run {state.mlflow_run_id}"
     )
     return {"run_dir": str(run.path), "drafter": str(final), "history": state.history}
-
-
-def ray_get(ref):
-    import ray
-
-    return ray.get(ref)

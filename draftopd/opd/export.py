@@ -13,5 +13,5 @@ def save_drafter(state: dict[str, np.ndarray], drafter_config: dict, path: Path)
 
     cfg = Eagle3Config.from_hf(drafter_config)
     # Never saved: served drafters share the target's embedding, so a placeholder of the weights' dtype will do.
-    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.from_numpy(state["fc.weight"]).dtype)
+    embed = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.from_numpy(state["fc.weight"][:0].copy()).dtype)
     Eagle3Drafter.from_state(drafter_config, state, embed).save(path)

@@ -143,13 +143,50 @@ class DraftLearner:
         loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
         return self._apply(loss, metrics, lr)
 
-    def weights(self) -> dict:
-        """Drafter weights as numpy copies (never views into DeepSpeed's flat buffers), gathered under ZeRO-3."""
+    def weights(self) -> dict | None:
+        """Drafter weights as numpy copies (never views into DeepSpeed's flat buffers) on rank 0, None elsewhere.
+
+        Under ZeRO-3 the parameters are gathered first, which every rank must join: call all ranks.
+        """
         import deepspeed
 
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
-            return self.engine.module.numpy_state()
+            return self.engine.module.numpy_state() if self.rank == 0 else None
+
+    # -- the sending end of a collective weight sync (opd/weight_sync.py) --------------------------
+
+    def weight_manifest(self) -> list | None:
+        from draftopd.opd.weight_sync import manifest
+
+        state = self.weights()
+        return manifest(state) if state is not None else None
+
+    def free_port(self) -> tuple[str, int]:
+        """A free port on this rank's node, for a group whose store this rank hosts."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return self.node_ip(), s.getsockname()[1]
+
+    def join_weight_group(self, name: str, rank: int, backend: str, host: str, port: int, size: int, timeout_s):
+        from draftopd.opd.weight_sync import join_group
+
+        self.weight_group = (name, backend, join_group(backend, host, port, rank, size, timeout_s))
+
+    def broadcast_weights(self, name: str, items: list) -> None:
+        from draftopd.opd.weight_sync import broadcast_state
+
+        state = self.weights()
+        if self.rank != 0:
+            return
+        group_name, backend, group = self.weight_group
+        assert group_name == name, (group_name, name)
+        broadcast_state(group, backend, items, state)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
         self.engine.save_checkpoint(path, tag="state", client_state={"step": self.step, **(client_state or {})})

@@ -1,9 +1,9 @@
 """RolloutWorker: target-assisted speculative generation with the current drafter.
 
 A plain class; the Ray actor is a thin wrapper (opd/actors.py). Every call that
-generates names the drafter weights it must use (a weights object plus its
-`policy_version`), so a worker that was restarted after a crash picks them up
-on its first call instead of needing a separate push.
+generates names the drafter it must use (a `WeightUpdate`), so a worker that was
+restarted after a crash either fetches the weights on its first call (object
+store) or refuses the call for the driver to publish again (collective sync).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.messages import Trajectory
+from draftopd.messages import Trajectory, WeightUpdate
+from draftopd.opd.weight_sync import StaleWeights
 
 
 class RolloutWorker:
@@ -32,6 +33,7 @@ class RolloutWorker:
         self.target = None
         self.drafter = None
         self.policy_version = -1
+        self.group = None  # (name, backend, process group) of a collective weight sync
 
     def setup(self) -> None:
         if self.target is not None:
@@ -72,24 +74,53 @@ class RolloutWorker:
         self.policy_version = version
         return version
 
+    def apply_update(self, update: WeightUpdate) -> int:
+        """Make `update` the drafter in use; returns the version now held. See WeightUpdate for the rules."""
+        if update.policy_version == self.policy_version and self.drafter is not None:
+            return self.policy_version
+        if update.state_ref is None:
+            raise StaleWeights(
+                f"rollout worker {self.index} holds policy version {self.policy_version}, not "
+                f"{update.policy_version} (broadcast over group {update.group!r} before it joined)"
+            )
+        import ray
+
+        return self.load_weights(update.drafter_config, ray.get(update.state_ref), update.policy_version)
+
+    # -- the receiving end of a collective weight sync (opd/weight_sync.py) -------------------------
+
+    def join_weight_group(self, name: str, rank: int, backend: str, host: str, port: int, size: int, timeout_s):
+        from draftopd.opd.weight_sync import join_group
+
+        self.group = (name, backend, join_group(backend, host, port, rank, size, timeout_s))
+
+    def weight_group(self) -> str:
+        return self.group[0] if self.group else ""
+
+    def receive_weights(self, update: WeightUpdate, items: list) -> int:
+        from draftopd.opd.weight_sync import broadcast_state
+
+        name, backend, group = self.group
+        assert name == update.group, (name, update.group)
+        state = broadcast_state(group, backend, items, None)
+        return self.load_weights(update.drafter_config, state, update.policy_version)
+
+    def weights(self) -> dict | None:
+        return self.drafter.numpy_state() if self.drafter is not None else None
+
     def generate(
         self,
         prompts: list[list[int]],
         prompt_indices: list[int],
         sampling: SamplingConfig,
-        drafter_config: dict | None,
-        state: dict | None,
-        version: int,
+        update: WeightUpdate | None,
         batch_size: int = 8,
     ) -> list[Trajectory]:
-        """Decode `prompts` with the drafter (`drafter_config`, `state`, `version`); None: the target alone.
-
-        The weights are top-level arguments so that Ray resolves an object reference to them in the worker.
-        """
+        """Decode `prompts` with the drafter named by `update` (None: the target alone)."""
         self.setup()
         drafter = None
-        if state is not None:
-            self.load_weights(drafter_config, state, version)
+        if update is not None:
+            self.apply_update(update)
             drafter = self.drafter
         engine = SpeculativeEngine(self.target, drafter, self.eos)
         version = self.policy_version if drafter is not None else -1

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from draftopd.config import Config, to_dict
 from draftopd.data.prompts import encode_chats, load_prompts
@@ -20,6 +22,7 @@ from draftopd.evaluate import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer
 from draftopd.opd.learner import LearnerSpec
 from draftopd.opd.replay import OPDLossConfig
+from draftopd.opd.weight_sync import StaleWeights, make_weight_sync
 from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, lr_at
 from draftopd.sft.vocab import build_draft_vocab
@@ -29,6 +32,19 @@ def _atomic_write(path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def _first_line(exc: BaseException) -> str:
+    """Ray's actor errors run to many lines; a stop message is one."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def latest_checkpoint(run_path: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, or None."""
+    pointer = run_path / "checkpoints" / "latest.json"
+    if not pointer.is_file():
+        return None
+    return run_path / "checkpoints" / json.loads(pointer.read_text())["dir"]
 
 
 class TrainingError(RuntimeError):
@@ -87,7 +103,8 @@ class Session:
             load_prompts(cfg.data.eval_prompts, "held_out", cfg.opd.num_eval_prompts, cfg.run.seed),
             think,
         )
-        self.weights_ref = None
+        self.weight_sync = make_weight_sync(cfg.sync.backend)
+        self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
 
     # -- placement ---------------------------------------------------------------
@@ -99,7 +116,6 @@ class Session:
         self.buffer = buffer_actor(self.cfg)
 
     def place_learners(self, drafter_config: dict, drafter_state) -> None:
-        import ray
 
         from draftopd.opd.actors import learner_actors
 
@@ -118,26 +134,39 @@ class Session:
             c.run.seed,
         )
         self.learners = learner_actors(c, spec, 0)
-        master = (ray.get(self.learners[0].node_ip.remote()), _free_port())
+        master = (self._learners_get([self.learners[0].node_ip.remote()], "placement")[0], _free_port())
         micro = max(1, c.learner.batch_size)
-        ray.get([learner.setup.remote(micro, master) for learner in self.learners])
+        self._learners_get([learner.setup.remote(micro, master) for learner in self.learners], "setup")
 
     # -- the steps of the loop ---------------------------------------------------
 
     def _split(self, items: list, n: int) -> list[list]:
         return [items[i::n] for i in range(n)]
 
-    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool):
-        """Object refs of the workers' trajectories, prompts dealt round-robin."""
-        cfg = self.state.drafter_config if with_drafter else None
-        weights = self.weights_ref if with_drafter else None
-        version = self.state.policy_version if with_drafter else -1
+    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool) -> list:
+        """Object refs of the workers' finished trajectory chunks, prompts dealt round-robin.
+
+        A chunk refused by a worker that missed a collective broadcast (it was restarted) runs again
+        after a new publish; one killed mid-call was already retried by Ray on the restarted worker.
+        """
+        import ray
+
         n = len(self.workers)
-        return [
-            w.generate.remote(p, i, sampling, cfg, weights, version, self.cfg.rollout.batch_size)
-            for w, p, i in zip(self.workers, self._split(prompts, n), self._split(indices, n))
-            if p
-        ]
+        chunks = [(w, p, i) for w, p, i in zip(self.workers, self._split(prompts, n), self._split(indices, n)) if p]
+
+        def submit(chunk):
+            w, p, i = chunk
+            return w.generate.remote(p, i, sampling, self.update if with_drafter else None, self.cfg.rollout.batch_size)
+
+        refs = [submit(c) for c in chunks]
+        for k, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except StaleWeights:
+                self.sync()
+                refs[k] = submit(chunks[k])
+                ray.get(refs[k])
+        return refs
 
     def target_responses(self) -> list[SFTExample]:
         import ray
@@ -159,14 +188,9 @@ class Session:
 
     def _learner_call(self, method: str, shards: list, *args) -> dict:
         """One synchronous step on every rank; a dead learner ends the job with a clear message."""
-        import ray
 
-        try:
-            results = ray.get(
-                [getattr(learner, method).remote(shard, *args) for learner, shard in zip(self.learners, shards)]
-            )
-        except ray.exceptions.RayActorError as exc:
-            raise TrainingError(f"a learner rank died during {method}: {exc}") from None
+        refs = [getattr(learner, method).remote(shard, *args) for learner, shard in zip(self.learners, shards)]
+        results = self._learners_get(refs, method)
         merged = {k: sum(r[k] for r in results) / len(results) for k in results[0] if isinstance(results[0][k], float)}
         merged.update({k: results[0][k] for k in results[0] if not isinstance(results[0][k], float)})
         if results[0].get("skipped_nonfinite"):
@@ -225,19 +249,29 @@ class Session:
         return m
 
     def sync(self) -> float:
-        """Publish rank 0's weights: the ref stays in the object store and rides along with each generate call."""
+        """Publish rank 0's drafter at the current policy version to every worker; returns the seconds it took."""
         import ray
 
         t0 = time.perf_counter()
-        self.weights_ref = self.learners[0].weights.remote()
-        versions = ray.get(
-            [
-                w.load_weights.remote(self.state.drafter_config, self.weights_ref, self.state.policy_version)
-                for w in self.workers
-            ]
-        )
-        assert all(v == self.state.policy_version for v in versions)
+        try:
+            self.update = self.weight_sync.publish(
+                self.learners, self.workers, self.state.drafter_config, self.state.policy_version
+            )
+        except ray.exceptions.RayActorError as exc:
+            raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
         return time.perf_counter() - t0
+
+    def drafter_weights(self) -> dict:
+        """Rank 0's drafter as numpy arrays (every rank is called: ZeRO-3 gathers collectively)."""
+        return self._learners_get([learner.weights.remote() for learner in self.learners], "weights")[0]
+
+    def _learners_get(self, refs: list, what: str) -> list:
+        import ray
+
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            raise TrainingError(f"a learner rank died during {what} ({_first_line(exc)})") from None
 
     def evaluate(self) -> dict:
         import ray
@@ -267,33 +301,37 @@ class Session:
         s = ray.get(self.buffer.stats.remote(self.state.policy_version))
         return {f"buffer/{k}": float(v) for k, v in s.items()}
 
-    @property
-    def checkpoint_path(self):
-        return self.run.path / "checkpoints" / "latest"
-
     def checkpoint(self) -> None:
-        """Drafter, DeepSpeed state (optimizer included), buffer and driver state; the driver state goes last."""
+        """Drafter, DeepSpeed state (optimizer included), buffer and driver state into a new directory.
+
+        `latest.json` is switched to it only when it is complete, so a crash mid-checkpoint resumes from
+        the previous one; the two newest checkpoints are kept.
+        """
         import ray
 
         from draftopd.opd.export import save_drafter
 
-        ckpt = self.checkpoint_path
+        root = self.run.path / "checkpoints"
+        ckpt = root / f"v{self.state.policy_version:06d}-r{self.state.round:04d}"
         ckpt.mkdir(parents=True, exist_ok=True)
-        ray.get([learner.save_checkpoint.remote(str(ckpt / "deepspeed")) for learner in self.learners])
-        save_drafter(ray.get(self.learners[0].weights.remote()), self.state.drafter_config, ckpt / "drafter")
+        self._learners_get([lr.save_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "checkpoint")
+        save_drafter(self.drafter_weights(), self.state.drafter_config, ckpt / "drafter")
         _atomic_write(ckpt / "buffer.json", json.dumps(ray.get(self.buffer.state_dict.remote())))
         _atomic_write(ckpt / "driver_state.json", json.dumps(self.state.__dict__))
+        _atomic_write(root / "latest.json", json.dumps({"dir": ckpt.name}))
+        for old in sorted(p for p in root.glob("v*-r*") if p.is_dir())[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def restore(self) -> None:
         """The inverse of `checkpoint`: learners, buffer and workers back where the checkpoint left them."""
         import ray
 
-        ckpt = self.checkpoint_path
+        ckpt = latest_checkpoint(self.run.path)
         saved = json.loads((ckpt / "driver_state.json").read_text())
         self.state.__dict__.update({k: v for k, v in saved.items() if k != "mlflow_run_id"})
         config, weights = ray.get(self.workers[0].load_drafter_dir.remote(str(ckpt / "drafter")))
         self.place_learners(config, weights)
-        ray.get([learner.load_checkpoint.remote(str(ckpt / "deepspeed")) for learner in self.learners])
+        self._learners_get([lr.load_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "restore")
         ray.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
         self.sync()
 

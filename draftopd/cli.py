@@ -12,17 +12,18 @@ import sys
 from pathlib import Path
 
 from draftopd.config import ConfigError
+from draftopd.data.eval_sets import EvalSetError
 from draftopd.data.prompts import PromptError
 from draftopd.loading import LoadError
 
-USER_ERRORS = (ConfigError, PromptError, LoadError, FileNotFoundError, IsADirectoryError, PermissionError)
+USER_ERRORS = (ConfigError, EvalSetError, PromptError, LoadError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 
 def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
     p.add_argument("--target", default="toy", help="target model directory, or 'toy' (default)")
     p.add_argument(
         "--prompts",
-        required=True,
+        required=not multi_k,
         help="JSONL prompt file ({'prompt': ...} or {'messages': [...]}), or 'toy' for the toy held-out set",
     )
     p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
@@ -52,22 +53,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (omit: target alone)")
     p.add_argument("--out", required=True, help="output JSONL")
 
-    p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompts")
+    p = sub.add_parser("eval", help="acceptance length and speedup of a drafter on prompt files or named sets")
     _sampling_args(p, multi_k=True)
     p.add_argument("--drafter", required=True)
-    p.add_argument("--json", required=True, help="write the report here")
+    p.add_argument(
+        "--sets",
+        nargs="+",
+        default=[],
+        help="named sets: toy, toy-arithmetic, toy-code, mt_bench, gsm8k, math500, humaneval, mbpp, alpaca, "
+        "cnn_dm; NAME=PATH reads a local copy (file or folder), 'all' takes every set that is available",
+    )
+    p.add_argument("--robustness", action="store_true", help="also run template and long-context variants")
+    p.add_argument("--long-context-tokens", type=int, default=384, help="padding of the long-context variant")
+    p.add_argument("--json", required=True, help="write the report here (plots go to a folder beside it)")
+    p.add_argument("--mlflow", default=None, help="log the results to MLflow: a run directory (its store) to use")
+    p.add_argument("--mlflow-run", default=None, help="append to this MLflow run (say, the training run)")
+
+    p = sub.add_parser("diagnose", help="attention drift and state norm along a drafter's chain, drafters side by side")
+    p.add_argument("--drafter", nargs="+", required=True, help="one or more drafter directories")
+    p.add_argument("--target", default="toy")
+    p.add_argument("--prompts", default="toy", help="JSONL prompt file, or 'toy' for the toy held-out set")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target responses analysed")
+    p.add_argument("--depth", type=int, default=7, help="chain depth")
+    p.add_argument("--aux-layer-ids", type=int, nargs="*", default=None)
+    p.add_argument("--json", required=True, help="write the profiles here (and a PNG beside it)")
 
     p = sub.add_parser("make-toy-target", help="rebuild the toy target model from scratch")
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("bench", help="benchmarks; 'opd-vs-sft': more SFT vs Draft-OPD at matched learner compute")
-    p.add_argument("which", choices=["opd-vs-sft"])
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks; 'opd-vs-sft': more SFT vs Draft-OPD at matched learner compute; "
+        "'engines': the native engine vs Hugging Face generate (plain and prompt-lookup assisted)",
+    )
+    p.add_argument("which", choices=["opd-vs-sft", "engines"])
     p.add_argument("--target", default="toy")
     p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
     p.add_argument("--num-train-prompts", type=int, default=64)
-    p.add_argument("--num-eval-prompts", type=int, default=16)
+    p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts (per set)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="engines: token budget per prompt")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="engines: drafts of prompt lookup")
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -118,32 +146,88 @@ def cmd_generate(args) -> None:
     print(f"wrote {len(run.trajectories)} lines to {out} ({run.num_tokens} tokens, {run.tokens_per_s:.1f} tokens/s)")
 
 
+def _eval_sets(args) -> list:
+    from draftopd.data.eval_sets import EvalSet, available_sets, load_set
+    from draftopd.data.prompts import read_prompt_file
+
+    limit = args.num_prompts or None
+    given = dict(item.split("=", 1) for item in args.sets if "=" in item)
+    names = [item.split("=", 1)[0] for item in args.sets]
+    if "all" in names:
+        names = available_sets(given)
+    sets = [load_set(n, given.get(n), limit, args.seed) for n in dict.fromkeys(names)]
+    if args.prompts == "toy":
+        sets.insert(0, load_set("toy", None, limit or 48, args.seed))
+    elif args.prompts:
+        chats = read_prompt_file(args.prompts)[:limit]
+        sets.insert(0, EvalSet("prompts", [[chat] for chat in chats], args.prompts))
+    if not sets:
+        raise EvalSetError("nothing to evaluate: give --prompts or --sets")
+    return sets
+
+
 def cmd_eval(args) -> None:
     from tqdm import tqdm
 
-    from draftopd.evaluate import evaluate, format_table
+    from draftopd.eval_suite import VARIANTS, SuiteSettings, format_suite_table, num_generations, plot_suite, run_suite
+    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
 
-    _, target, drafter, prompts, eos = _load_for_sampling(args)
-    reports, baseline = [], None
-    with tqdm(total=len(prompts) * (1 + len(args.num_draft_tokens)), desc="eval", unit="prompt") as bar:
-        for k in args.num_draft_tokens:
-            report, baseline = evaluate(
-                target,
-                drafter,
-                eos,
-                prompts,
-                k,
-                args.temperature,
-                args.max_new_tokens,
-                args.batch_size,
-                args.seed,
-                baseline,
-                bar,
-            )
-            reports.append(report)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
-    print(format_table(reports))
+    sets = _eval_sets(args)  # before any model is loaded: a bad set fails fast
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids, args.dtype)
+    drafter = load_drafter(args.drafter, target)
+    settings = SuiteSettings(
+        args.num_draft_tokens,
+        args.temperature,
+        args.max_new_tokens,
+        args.batch_size,
+        args.seed,
+        not args.no_thinking,
+        VARIANTS if args.robustness else ("clean",),
+        args.long_context_tokens,
+    )
+    eos = eos_ids(tokenizer, args.target)
+    with tqdm(total=num_generations(sets, settings), desc="eval", unit="seq") as bar:
+        reports = run_suite(target, drafter, tokenizer, eos, sets, settings, bar)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(reports, indent=2) + "\n")
+    plots = plot_suite(reports, out.with_name(out.stem + "_plots"))
+    print(format_suite_table(reports))
+    print(f"report: {out}; plots: {', '.join(str(p) for p in plots)}")
+    if args.mlflow:
+        from draftopd.eval_suite import log_to_mlflow
+
+        name = f"eval-{Path(args.drafter).name}"
+        run_id = log_to_mlflow(reports, [out, *plots], Path(args.mlflow), args.mlflow_run, name)
+        print(f"MLflow run {run_id} in {args.mlflow}")
+
+
+def cmd_diagnose(args) -> None:
+    import torch
+
+    from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
+    from draftopd.diagnose import drift_profile, format_profiles, plot_profiles
+    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
+    from draftopd.sft.trainer import SFTExample
+
+    chats = toy_prompts("held_out", args.num_prompts) if args.prompts == "toy" else read_prompt_file(args.prompts)
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafters = {Path(d).name: load_drafter(d, target) for d in args.drafter}
+    prompts = encode_chats(tokenizer, chats[: args.num_prompts])
+    engine = SpeculativeEngine(target, None, eos_ids(tokenizer, args.target))
+    trajs = engine.generate(prompts, SamplingConfig(args.max_new_tokens))
+    examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
+    torch.manual_seed(0)
+    profiles = {name: drift_profile(target, d, examples, args.depth) for name, d in drafters.items()}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profiles, indent=2) + "\n")
+    plot_profiles(profiles, out.with_suffix(".png"))
+    print(format_profiles(profiles))
+    print(f"profiles: {out}; plot: {out.with_suffix('.png')}")
 
 
 def cmd_train(args) -> None:
@@ -174,6 +258,8 @@ def cmd_make_toy_target(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    if args.which == "engines":
+        return _bench_engines(args)
     import torch
 
     from draftopd.bench.opd_vs_sft import BenchSettings, run_bench
@@ -186,7 +272,10 @@ def cmd_bench(args) -> None:
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
     torch.manual_seed(args.seed)
     train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
-    held = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, seed=args.seed))
+    held = {
+        name: encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed, domain))
+        for name, domain in (("toy", None), ("toy-arithmetic", "arithmetic"), ("toy-code", "code"))
+    }
     s = BenchSettings(
         sft_steps=args.sft_steps,
         batch_size=args.batch_size,
@@ -200,11 +289,31 @@ def cmd_bench(args) -> None:
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"start tau {report['start']['tau']:.3f} | more SFT {report['sft']['tau']:.3f} | "
-        f"Draft-OPD {report['opd']['tau']:.3f} | OPD/SFT = {report['tau_ratio_opd_over_sft']:.3f} "
-        f"(learner tokens: SFT {report['sft']['learner_tokens']}, OPD {report['opd']['learner_tokens']})"
+    print(f"{'held-out set':<16} {'start':>6} {'more SFT':>8} {'Draft-OPD':>9} {'OPD/SFT':>7} {'OPD tau/(K+1)':>13}")
+    for name, r in report["per_set"].items():
+        print(
+            f"{name:<16} {r['start_tau']:>6.3f} {r['sft_tau']:>8.3f} {r['opd_tau']:>9.3f} "
+            f"{r['tau_ratio_opd_over_sft']:>7.3f} {r['opd_tau_over_ceiling']:>13.3f}"
+        )
+    print(f"learner tokens: SFT {report['sft']['learner_tokens']}, Draft-OPD {report['opd']['learner_tokens']}")
+
+
+def _bench_engines(args) -> None:
+    from draftopd.bench.engines import format_engines, run_engines_bench
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter = load_drafter(args.drafter or str(ASSETS / "toy-eagle3"), target)
+    prompts = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed))
+    eos = eos_ids(tokenizer, args.target)
+    report = run_engines_bench(
+        target, drafter, eos, prompts, args.max_new_tokens, args.num_draft_tokens, args.prompt_lookup_tokens
     )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(format_engines(report))
 
 
 def cmd_ui(args) -> int:
@@ -216,6 +325,7 @@ def cmd_ui(args) -> int:
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
+    "diagnose": cmd_diagnose,
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,

@@ -112,25 +112,42 @@ def held_out_tau(drafter, target, eos, prompts, s: BenchSettings) -> dict:
     return acceptance_stats(trajs, s.num_draft_tokens)
 
 
-def run_bench(target, eos, load_start, train_prompts, eval_prompts, s: BenchSettings) -> dict:
-    """`load_start()` returns a fresh copy of the starting drafter each time it is called."""
+def run_bench(target, eos, load_start, train_prompts, eval_sets: dict[str, list], s: BenchSettings) -> dict:
+    """`load_start()` returns a fresh copy of the starting drafter each time it is called.
+
+    `eval_sets` maps a held-out set's name to its prompts; the first one is the headline.
+    """
     torch.manual_seed(s.seed)
     engine = SpeculativeEngine(target, None, eos)
     # The SFT arm learns from the same kind of text the OPD arm's rollouts follow (the target at the rollout
     # temperature), so the comparison isolates the on-policy signal, not a change of data distribution.
     responses = engine.generate(train_prompts, SamplingConfig(s.max_new_tokens, s.temperature, 0, s.seed))
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in responses]
-    start = held_out_tau(load_start(), target, eos, eval_prompts, s)
+    start_drafter = load_start()
+    start = {n: held_out_tau(start_drafter, target, eos, p, s) for n, p in eval_sets.items()}
     sft = load_start()
     budget = sft_arm(sft, target, examples, s)
-    sft_eval = held_out_tau(sft, target, eos, eval_prompts, s)
+    sft_eval = {n: held_out_tau(sft, target, eos, p, s) for n, p in eval_sets.items()}
     opd = load_start()
     opd_info = opd_arm(opd, target, eos, train_prompts, budget, s)
-    opd_eval = held_out_tau(opd, target, eos, eval_prompts, s)
+    opd_eval = {n: held_out_tau(opd, target, eos, p, s) for n, p in eval_sets.items()}
+    head = next(iter(eval_sets))
+    per_set = {
+        n: {
+            "start_tau": start[n]["tau"],
+            "sft_tau": sft_eval[n]["tau"],
+            "opd_tau": opd_eval[n]["tau"],
+            "tau_ratio_opd_over_sft": opd_eval[n]["tau"] / sft_eval[n]["tau"],
+            "opd_tau_over_ceiling": opd_eval[n]["tau"] / (s.num_draft_tokens + 1),
+        }
+        for n in eval_sets
+    }
     return {
         "settings": s.__dict__,
-        "start": start,
-        "sft": {"learner_tokens": budget, **sft_eval},
-        "opd": {**opd_info, **opd_eval},
-        "tau_ratio_opd_over_sft": opd_eval["tau"] / sft_eval["tau"],
+        "headline_set": head,
+        "start": start[head],
+        "sft": {"learner_tokens": budget, **sft_eval[head]},
+        "opd": {**opd_info, **opd_eval[head]},
+        "tau_ratio_opd_over_sft": opd_eval[head]["tau"] / sft_eval[head]["tau"],
+        "per_set": per_set,
     }

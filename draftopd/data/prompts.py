@@ -57,14 +57,14 @@ def read_prompt_file(path: str | Path) -> list[list[dict[str, str]]]:
     return chats
 
 
-def toy_prompts(split: str, limit: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """Prompts of the toy corpus (`train` or `held_out`), mixed across domains in a fixed order."""
+def toy_prompts(split: str, limit: int, seed: int = 0, domain: str | None = None) -> list[list[dict[str, str]]]:
+    """Prompts of the toy corpus (`train` or `held_out`), mixed across domains (or one) in a fixed order."""
     import random
 
     from draftopd.toy.corpus import build_corpus, prompt_only
 
     train, held = build_corpus(num_arithmetic=4000, seed=1000 + seed)
-    samples = train if split == "train" else held
+    samples = [s for s in (train if split == "train" else held) if domain is None or s.domain == domain]
     random.Random(seed).shuffle(samples)
     return [prompt_only(s) for s in samples[:limit]]
 

@@ -227,6 +227,7 @@ class Eagle3Drafter(nn.Module):
         key_valid: torch.Tensor,
         depth: int,
         depth_tokens: torch.Tensor | None = None,
+        trace: list | None = None,
     ) -> list[torch.Tensor]:
         """Training-time test over whole sequences; returns draft logits per depth, [B, L-1, Vd] each.
 
@@ -236,6 +237,9 @@ class Eagle3Drafter(nn.Module):
         what a chain of drafts started after token t+1 sees at inference.
         `depth_tokens` [B, depth, L-1], when given, replaces the teacher-forced input
         tokens of depths >= 1 (Draft-OPD replays the drafter's own drafts this way).
+        `trace`, when given, receives per depth the attention mass on the drafter's own
+        earlier drafts (rest: the target's context) and the norm of the state fed
+        forward, both [B, L-1] (for drift diagnostics).
         """
         b, n = input_ids.shape[0], input_ids.shape[1] - 1
         attn = self.midlayer.self_attn
@@ -264,6 +268,9 @@ class Eagle3Drafter(nn.Module):
                 o = o + probs[..., n + e - 1 : n + e] * vs[e]
             logits, state = self._finish(attn.out(o), residual)
             outs.append(logits)
+            if trace is not None:
+                own = probs[..., n:].sum(-1).mean(1) if d else torch.zeros_like(state[..., 0])
+                trace.append({"own_mass": own.detach(), "state_norm": state.norm(dim=-1).detach()})
         return outs
 
     def forward(self, *args, **kwargs) -> list[torch.Tensor]:

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from draftopd.config import Config, to_dict
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.engine.speculative import SamplingConfig
@@ -143,29 +145,38 @@ class Session:
     def _split(self, items: list, n: int) -> list[list]:
         return [items[i::n] for i in range(n)]
 
-    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool) -> list:
-        """Object refs of the workers' finished trajectory chunks, prompts dealt round-robin.
+    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool, desc: str = "") -> list:
+        """Object refs of finished trajectory chunks (one engine batch each, dealt round-robin to the workers).
 
         A chunk refused by a worker that missed a collective broadcast (it was restarted) runs again
         after a new publish; one killed mid-call was already retried by Ray on the restarted worker.
         """
         import ray
 
-        n = len(self.workers)
-        chunks = [(w, p, i) for w, p, i in zip(self.workers, self._split(prompts, n), self._split(indices, n)) if p]
+        n, bs = len(self.workers), self.cfg.rollout.batch_size
+        chunks = [(self.workers[j % n], i) for j, i in enumerate(range(0, len(prompts), bs))]
 
-        def submit(chunk):
-            w, p, i = chunk
-            return w.generate.remote(p, i, sampling, self.update if with_drafter else None, self.cfg.rollout.batch_size)
+        def submit(k):
+            worker, i = chunks[k]
+            update = self.update if with_drafter else None
+            return worker.generate.remote(prompts[i : i + bs], indices[i : i + bs], sampling, update, bs)
 
-        refs = [submit(c) for c in chunks]
-        for k, ref in enumerate(refs):
-            try:
-                ray.get(ref)
-            except StaleWeights:
-                self.sync()
-                refs[k] = submit(chunks[k])
-                ray.get(refs[k])
+        refs = [submit(k) for k in range(len(chunks))]
+        slot = {ref: k for k, ref in enumerate(refs)}
+        pending = list(refs)
+        with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not desc, leave=False) as bar:
+            while pending:
+                [ref], pending = ray.wait(pending, num_returns=1)
+                k = slot[ref]
+                try:
+                    ray.get(ref)
+                except StaleWeights:
+                    self.sync()
+                    refs[k] = submit(k)
+                    slot[refs[k]] = k
+                    pending.append(refs[k])
+                    continue
+                bar.update(min(bs, len(prompts) - chunks[k][1]))
         return refs
 
     def target_responses(self) -> list[SFTExample]:
@@ -173,7 +184,8 @@ class Session:
 
         d = self.cfg.data
         sampling = SamplingConfig(d.max_new_tokens, d.response_temperature, 0, self.cfg.run.seed)
-        refs = self._generate(self.train_prompts, list(range(len(self.train_prompts))), sampling, False)
+        indices = list(range(len(self.train_prompts)))
+        refs = self._generate(self.train_prompts, indices, sampling, False, "target responses")
         trajs = [t for chunk in ray.get(refs) for t in chunk]
         return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
 

@@ -1,0 +1,79 @@
+"""`draftopd bench engines`: the native engine against Hugging Face `generate` on the same target and prompts.
+
+Compared, greedy, batch size 1, the same prompts and token budget:
+* `hf`: `model.generate` of the target alone (the peer's baseline);
+* `hf_prompt_lookup`: Hugging Face assisted generation with prompt-lookup
+  drafting (`prompt_lookup_num_tokens`), the assisted mode that needs no draft
+  model; an EAGLE-3 drafter reads the target's hidden states, which Hugging
+  Face's `assistant_model` cannot supply, so it cannot use ours;
+* `native`: this project's engine, target alone;
+* `native_eagle3`: this project's engine with the EAGLE-3 drafter.
+Every arm must produce the same tokens as `hf` (greedy decoding is exact), and
+the report says whether it did. Speed is tokens per second over the whole set.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.evaluate import acceptance_stats
+
+
+def _hf_generate(model, prompts, max_new_tokens: int, eos: list[int], **kwargs) -> tuple[list[list[int]], float]:
+    outs = []
+    start = time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                **kwargs,
+            )
+        out = gen[0, len(p) :].tolist()
+        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))  # up to and with the first eos
+        outs.append(out[:cut])
+    return outs, time.perf_counter() - start
+
+
+def run_engines_bench(target, drafter, eos, prompts, max_new_tokens: int, k: int, lookup_tokens: int) -> dict:
+    arms = {}
+    hf_out, secs = _hf_generate(target.model, prompts, max_new_tokens, eos)
+    arms["hf"] = (hf_out, secs, None)
+    out, secs = _hf_generate(target.model, prompts, max_new_tokens, eos, prompt_lookup_num_tokens=lookup_tokens)
+    arms["hf_prompt_lookup"] = (out, secs, None)
+    for name, d in (("native", None), ("native_eagle3", drafter)):
+        engine = SpeculativeEngine(target, d, eos)
+        start = time.perf_counter()
+        trajs = [engine.generate([p], SamplingConfig(max_new_tokens, 0.0, k))[0] for p in prompts]
+        arms[name] = ([t.output_ids for t in trajs], time.perf_counter() - start, trajs if d is not None else None)
+    base_tps = sum(len(o) for o in hf_out) / arms["hf"][1]
+    report = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "num_draft_tokens": k, "arms": {}}
+    for name, (outs, secs, trajs) in arms.items():
+        tps = sum(len(o) for o in outs) / secs
+        row = {
+            "tokens_per_s": tps,
+            "speedup_vs_hf": tps / base_tps,
+            "identical_to_hf": f"{sum(a == b for a, b in zip(outs, hf_out))}/{len(prompts)}",
+        }
+        if trajs is not None:
+            row["tau"] = acceptance_stats(trajs, k)["tau"]
+        report["arms"][name] = row
+    return report
+
+
+def format_engines(report: dict) -> str:
+    lines = [f"{'arm':<18} {'tok/s':>8} {'vs hf':>7} {'same as hf':>10} {'tau':>6}", "-" * 53]
+    for name, r in report["arms"].items():
+        tau = f"{r['tau']:.3f}" if "tau" in r else "-"
+        lines.append(
+            f"{name:<18} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf']:>6.2f}x {r['identical_to_hf']:>10} {tau:>6}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""Named eval sets from local files in their published layouts, the eval suite, drift diagnostics."""
+
+import gzip
+import json
+
+import pytest
+
+from draftopd.cli import main
+from draftopd.data.eval_sets import EvalSetError, load_set, locate
+from draftopd.loading import ASSETS
+
+TOY_DRAFTER = str(ASSETS / "toy-eagle3")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_published_layouts_read(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gsm = _jsonl(tmp_path / "test.jsonl", [{"question": "What is 2 + 3?", "answer": "5"}, {"nope": 1}])
+    s = load_set("gsm8k", str(gsm))
+    assert s.conversations == [[[{"role": "user", "content": "What is 2 + 3?"}]]] and s.num_malformed == 1
+
+    mt = _jsonl(tmp_path / "question.jsonl", [{"question_id": 81, "category": "writing", "turns": ["A?", "B?"]}])
+    assert [[m[0]["content"] for m in c] for c in load_set("mt_bench", str(mt)).conversations] == [["A?", "B?"]]
+
+    (tmp_path / "alpaca_data.json").write_text(json.dumps([{"instruction": "Sort:", "input": "3 1 2", "output": ""}]))
+    assert load_set("alpaca", str(tmp_path)).conversations[0][0][0]["content"] == "Sort:\n\n3 1 2"
+
+    he = tmp_path / "he" / "HumanEval.jsonl.gz"
+    he.parent.mkdir()
+    with gzip.open(he, "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def add(a, b):\n"}) + "\n")
+    assert load_set("humaneval", str(he.parent)).conversations[0][0][0]["content"] == "def add(a, b):\n"
+
+    cnn = tmp_path / "cnn" / "3.0.0" / "test-00000-of-00001.parquet"
+    cnn.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"article": ["Rain fell."], "highlights": ["rain"], "id": ["x"]}), cnn)
+    assert "Rain fell." in load_set("cnn_dm", str(tmp_path / "cnn")).conversations[0][0][0]["content"]
+
+    # a Hugging Face datasets cache: Arrow stream files under the repository's folder
+    cache = tmp_path / "hf"
+    arrow = cache / "google-research-datasets___mbpp" / "full" / "0.0.0" / "abc" / "mbpp-test.arrow"
+    arrow.parent.mkdir(parents=True)
+    table = pa.table({"task_id": [1, 2], "text": ["Write a function to add.", "Write a function to sort."]})
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    assert locate("mbpp") == arrow and len(load_set("mbpp", limit=1).conversations) == 1
+    assert locate("gsm8k") is None
+
+    with pytest.raises(EvalSetError, match="not given .* and not in the datasets cache"):
+        load_set("math500")
+    with pytest.raises(EvalSetError, match="unknown eval set 'gsm9k'"):
+        load_set("gsm9k", str(gsm))
+    with pytest.raises(EvalSetError, match="no row in the gsm8k layout"):
+        load_set("gsm8k", str(_jsonl(tmp_path / "bad.jsonl", [{"q": 1}])))
+
+
+def test_eval_suite_over_sets_with_robustness_and_mlflow(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from draftopd.tracking import resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    gsm = _jsonl(tmp_path / "gsm.jsonl", [{"question": f"What is {a} + {a * 7}?"} for a in (12, 31)])
+    mt = _jsonl(tmp_path / "mt.jsonl", [{"turns": ["What is 47 + 385?", "Now multiply it by 2."]}])
+    report = tmp_path / "out" / "eval.json"
+    argv = ["eval", "--drafter", TOY_DRAFTER, "--sets", "toy-arithmetic", f"gsm8k={gsm}", f"mt_bench={mt}"]
+    argv += ["--num-prompts", "2", "--max-new-tokens", "24", "--robustness", "--long-context-tokens", "96"]
+    argv += ["--json", str(report), "--mlflow", str(tmp_path / "store")]
+    assert main(argv) == 0
+    reports = json.loads(report.read_text())
+    variants = ["clean", "system_short", "system_long", "thinking_toggled", "long_context"]
+    assert [(r["set"], r["variant"]) for r in reports] == [
+        (s, v) for s in ("toy-arithmetic", "gsm8k", "mt_bench") for v in variants
+    ]
+    for r in reports:
+        assert 1.0 <= r["tau"] <= 5 and r["tau_over_ceiling"] == pytest.approx(r["tau"] / 5)
+        assert r["identical_to_target_alone"] == f"{r['num_turns']}/{r['num_turns']}"  # greedy: lossless
+        assert sum(r["accepted_histogram"]) == r["num_steps"]
+        assert ("tau_vs_clean" in r) == (r["variant"] != "clean")
+    assert {r["num_turns"] for r in reports if r["set"] == "mt_bench"} == {2}  # both turns of the one conversation
+    clean_toy = next(r for r in reports if r["set"] == "toy-arithmetic" and r["variant"] == "clean")
+    assert clean_toy["tau"] > 2.0  # the shipped drafter on its own domain
+    plots = report.parent / "eval_plots"
+    assert {p.name for p in plots.iterdir()} == {
+        "acceptance_per_position.png",
+        "acceptance_length_histogram.png",
+        "robustness.png",
+    }
+
+    client = MlflowClient(resolve_tracking_uri(tmp_path / "store"))
+    [run] = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
+    curve = client.get_metric_history(run.info.run_id, "eval/gsm8k/clean/K4/acceptance")
+    assert [m.step for m in curve] == [1, 2, 3, 4]
+    assert run.data.metrics["eval/toy-arithmetic/clean/K4/tau"] == pytest.approx(clean_toy["tau"])
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "eval")} >= {"eval/robustness.png", "eval/eval.json"}
+
+
+def test_diagnose_profiles_both_toy_drafters(tmp_path, capsys):
+    out = tmp_path / "drift.json"
+    drafters = [TOY_DRAFTER, str(ASSETS / "toy-eagle3-driftfix")]
+    argv = ["diagnose", "--drafter", *drafters, "--num-prompts", "4", "--max-new-tokens", "48", "--depth", "5"]
+    assert main([*argv, "--json", str(out)]) == 0
+    profiles = json.loads(out.read_text())
+    assert list(profiles) == ["toy-eagle3", "toy-eagle3-driftfix"]
+    for p in profiles.values():
+        assert p["depth"] == [1, 2, 3, 4, 5] and p["attention_on_own_drafts"][0] == 0.0
+        assert all(0.0 < x < 1.0 for x in p["attention_on_own_drafts"][1:])
+        assert all(x > 0 for x in p["state_norm"]) and p["num_chains"] > 100
+    assert profiles["toy-eagle3-driftfix"]["norm_output"] and not profiles["toy-eagle3"]["norm_output"]
+    assert out.with_suffix(".png").is_file()
+    assert "attn on own drafts" in capsys.readouterr().out

@@ -158,7 +158,7 @@ class LearnerConfig:
     num_cpus_per_learner: float = 1.0
     """CPUs Ray reserves for each learner rank."""
     num_gpus_per_learner: float = 0.0
-    """GPUs Ray reserves for each learner rank (NCCL is used when > 0)."""
+    """GPUs Ray reserves for each learner rank. Must be 0 for now: learner ranks run on CPU (gloo)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage, 0-3."""
     lr: float = 5e-4
@@ -323,6 +323,9 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if cfg.learner.num_gpus_per_learner:
+        # DeepSpeed would move the drafter to the GPU while the replay and TTT batches stay on the CPU.
+        raise ConfigError("learner.num_gpus_per_learner must be 0: learner ranks do not run on GPUs yet")
 
 
 def to_dict(cfg: Config) -> dict:

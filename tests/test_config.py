@@ -59,3 +59,8 @@ def test_missing_recipe_is_an_error(tmp_path):
 def test_closed_choices_are_checked(key):
     with pytest.raises(ConfigError, match=f"{key}='bogus' is not one of"):
         load_config(None, [f"{key}=bogus"])
+
+
+def test_gpu_learners_are_refused_until_supported():
+    with pytest.raises(ConfigError, match="learner ranks do not run on GPUs yet"):
+        load_config(None, ["learner.num_gpus_per_learner=1"])

@@ -61,19 +61,28 @@ def test_published_layouts_read(tmp_path, monkeypatch):
         load_set("gsm8k", str(_jsonl(tmp_path / "bad.jsonl", [{"q": 1}])))
 
 
-def test_eval_suite_over_sets_with_robustness_and_mlflow(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
-    from draftopd.tracking import resolve_tracking_uri
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """`draftopd eval` on three sets (one of them two-turn) with robustness variants, logged to MLflow."""
+    tmp_path = tmp_path_factory.mktemp("eval")
     gsm = _jsonl(tmp_path / "gsm.jsonl", [{"question": f"What is {a} + {a * 7}?"} for a in (12, 31)])
     mt = _jsonl(tmp_path / "mt.jsonl", [{"turns": ["What is 47 + 385?", "Now multiply it by 2."]}])
     report = tmp_path / "out" / "eval.json"
     argv = ["eval", "--drafter", TOY_DRAFTER, "--sets", "toy-arithmetic", f"gsm8k={gsm}", f"mt_bench={mt}"]
     argv += ["--num-prompts", "2", "--max-new-tokens", "24", "--robustness", "--long-context-tokens", "96"]
     argv += ["--json", str(report), "--mlflow", str(tmp_path / "store")]
-    assert main(argv) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        assert main(argv) == 0
+    return report, tmp_path / "store"
+
+
+def test_eval_suite_over_sets_with_robustness_and_mlflow(eval_run):
+    from mlflow.tracking import MlflowClient
+
+    from draftopd.tracking import resolve_tracking_uri
+
+    report, store = eval_run
     reports = json.loads(report.read_text())
     variants = ["clean", "system_short", "system_long", "thinking_toggled", "long_context"]
     assert [(r["set"], r["variant"]) for r in reports] == [
@@ -94,7 +103,7 @@ def test_eval_suite_over_sets_with_robustness_and_mlflow(tmp_path, monkeypatch):
         "robustness.png",
     }
 
-    client = MlflowClient(resolve_tracking_uri(tmp_path / "store"))
+    client = MlflowClient(resolve_tracking_uri(store))
     [run] = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
     curve = client.get_metric_history(run.info.run_id, "eval/gsm8k/clean/K4/acceptance")
     assert [m.step for m in curve] == [1, 2, 3, 4]
@@ -116,3 +125,61 @@ def test_diagnose_profiles_both_toy_drafters(tmp_path, capsys):
     assert profiles["toy-eagle3-driftfix"]["norm_output"] and not profiles["toy-eagle3"]["norm_output"]
     assert out.with_suffix(".png").is_file()
     assert "attn on own drafts" in capsys.readouterr().out
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _render(url: str, tmp_path) -> str:
+    """The DOM of `url` after its scripts ran, from headless Chromium (no network beyond localhost)."""
+    import subprocess
+
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    flags += [f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=20000", "--dump-dom"]
+    done = subprocess.run([CHROMIUM, *flags, url], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_mlflow_ui_shows_acceptance_metrics_and_plots(eval_run, tmp_path):
+    """The dashboard a user opens: the MLflow UI (as `draftopd ui` starts it) rendered in headless Chromium."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from mlflow.tracking import MlflowClient
+
+    from draftopd.tracking import resolve_tracking_uri, ui_command
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    _, store = eval_run
+    client = MlflowClient(resolve_tracking_uri(store))
+    [run] = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        ui_command(str(store), port), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        page = f"http://127.0.0.1:{port}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        overview = _render(page, tmp_path)
+        for metric in ("eval/toy-arithmetic/clean/K4/tau", "eval/gsm8k/clean/K4/acceptance"):
+            assert metric in overview, metric
+        for plot in ("acceptance_per_position.png", "robustness.png"):
+            artifact = _render(f"{page}/artifacts/eval/{plot}", tmp_path)
+            assert f'<img alt="eval/{plot}" src="blob:' in artifact, plot  # the PNG itself, fetched and shown
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)

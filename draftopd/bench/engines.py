@@ -44,6 +44,11 @@ def _hf_generate(model, prompts, max_new_tokens: int, eos: list[int], **kwargs) 
 
 
 def run_engines_bench(target, drafter, eos, prompts, max_new_tokens: int, k: int, lookup_tokens: int) -> dict:
+    """Each arm decodes one prompt untimed first (allocator and kernel warm-up), then the whole set, timed."""
+    _hf_generate(target.model, prompts[:1], 8, eos)
+    _hf_generate(target.model, prompts[:1], 8, eos, prompt_lookup_num_tokens=lookup_tokens)
+    for d in (None, drafter):
+        SpeculativeEngine(target, d, eos).generate(prompts[:1], SamplingConfig(8, 0.0, k))
     arms = {}
     hf_out, secs = _hf_generate(target.model, prompts, max_new_tokens, eos)
     arms["hf"] = (hf_out, secs, None)

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts (per set)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="engines: token budget per prompt")
     p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="engines: drafts of prompt lookup")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="engines: a Python with vllm (and draftopd) installed; adds stock vLLM arms, alone and with EAGLE-3",
+    )
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -301,15 +306,25 @@ def cmd_bench(args) -> None:
 def _bench_engines(args) -> None:
     from draftopd.bench.engines import format_engines, run_engines_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
-    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer
+    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    drafter = load_drafter(args.drafter or str(ASSETS / "toy-eagle3"), target)
+    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    drafter = load_drafter(drafter_dir, target)
     prompts = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed))
     eos = eos_ids(tokenizer, args.target)
+    paths = (str(resolve_target_path(args.target)), str(Path(drafter_dir).resolve()))
     report = run_engines_bench(
-        target, drafter, eos, prompts, args.max_new_tokens, args.num_draft_tokens, args.prompt_lookup_tokens
+        target,
+        drafter,
+        eos,
+        prompts,
+        args.max_new_tokens,
+        args.num_draft_tokens,
+        args.prompt_lookup_tokens,
+        args.vllm_python,
+        paths,
     )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

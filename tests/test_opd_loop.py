@@ -66,7 +66,7 @@ def opd_run(ray_session, tmp_path_factory):
     Each crash is followed by a resume; the last one runs to the end in this process.
     """
     out = tmp_path_factory.mktemp("runs")
-    args = [f"run.out_dir={out}", *TINY, "opd.num_rounds=4"]
+    args = [f"run.out_dir={out}", *TINY, "opd.num_rounds=4", "rollout.num_workers=1"]  # 2 learner ranks
     run_dir = out / "toy-opd"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     pipes = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -206,7 +206,7 @@ def test_repeated_nonfinite_losses_stop_the_job(ray_session, tmp_path):
     """A NaN learning rate poisons the drafter after one step: the following losses are NaN, two in a row stop."""
     from draftopd.opd.session import TrainingError
 
-    over = [f"run.out_dir={tmp_path}", *TINY, "opd.num_rounds=4", "learner.lr=.nan"]
+    over = [f"run.out_dir={tmp_path}", *TINY, "opd.num_rounds=4", "learner.lr=.nan", "rollout.num_workers=1"]
     cfg = load_config(RECIPE, [*over, "learner.max_nonfinite_in_a_row=2"])
     with pytest.raises(TrainingError, match="2 non-finite losses in a row; stopping; resumable checkpoint"):
         run_opd(cfg, ["test"])

@@ -85,6 +85,8 @@ def test_toy_recipe_through_ray_job_submit(tmp_path):
             "rollout.max_new_tokens=32",
             "learner.batch_size=2",
             "opd.num_rounds=1",
+            "rollout.num_workers=1",  # one actor per role is enough to show placement through the job
+            "learner.num_learners=1",
             "opd.steps_per_round=1",
             "opd.num_eval_prompts=2",
             "eval.max_new_tokens=16",

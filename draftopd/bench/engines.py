@@ -7,7 +7,10 @@ Compared, greedy, batch size 1, the same prompts and token budget:
   model; an EAGLE-3 drafter reads the target's hidden states, which Hugging
   Face's `assistant_model` cannot supply, so it cannot use ours;
 * `native`: this project's engine, target alone;
-* `native_eagle3`: this project's engine with the EAGLE-3 drafter.
+* `native_eagle3`: this project's engine with the EAGLE-3 drafter;
+* `vllm`, `vllm_eagle3` (when a Python with vllm is given): stock vLLM, target
+  alone and with the same drafter checkpoint as its EAGLE-3 speculator, each in
+  its own process (`bench/vllm_arm.py`).
 Every arm must produce the same tokens as `hf` (greedy decoding is exact), and
 the report says whether it did. Speed is tokens per second over the whole set.
 """
@@ -37,14 +40,47 @@ def _hf_generate(model, prompts, max_new_tokens: int, eos: list[int], **kwargs) 
                 pad_token_id=eos[0],
                 **kwargs,
             )
-        out = gen[0, len(p) :].tolist()
-        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))  # up to and with the first eos
-        outs.append(out[:cut])
+        outs.append(_cut(gen[0, len(p) :].tolist(), eos))
     return outs, time.perf_counter() - start
 
 
-def run_engines_bench(target, drafter, eos, prompts, max_new_tokens: int, k: int, lookup_tokens: int) -> dict:
-    """Each arm decodes one prompt untimed first (allocator and kernel warm-up), then the whole set, timed."""
+def _vllm_arm(python: str, job: dict) -> tuple[list[list[int]], float, float | None]:
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = {**job, "out": str(Path(tmp) / "result.json")}
+        done = subprocess.run(
+            [python, "-m", "draftopd.bench.vllm_arm"], input=json.dumps(job), capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the vLLM arm failed ({python}): {done.stderr.strip().splitlines()[-1:]}")
+        result = json.loads(Path(job["out"]).read_text())
+    outs = [_cut(o, job["eos"]) for o in result["outputs"]]
+    return outs, result["seconds"], result.get("tau")
+
+
+def _cut(out: list[int], eos: list[int]) -> list[int]:
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]  # up to and with the first eos
+
+
+def run_engines_bench(
+    target,
+    drafter,
+    eos,
+    prompts,
+    max_new_tokens: int,
+    k: int,
+    lookup_tokens: int,
+    vllm_python: str | None = None,
+    paths: tuple[str, str] | None = None,
+) -> dict:
+    """Each arm decodes one prompt untimed first (allocator and kernel warm-up), then the whole set, timed.
+
+    `vllm_python` with `paths` (target and drafter directories) adds the two vLLM arms.
+    """
     _hf_generate(target.model, prompts[:1], 8, eos)
     _hf_generate(target.model, prompts[:1], 8, eos, prompt_lookup_num_tokens=lookup_tokens)
     for d in (None, drafter):
@@ -59,17 +95,25 @@ def run_engines_bench(target, drafter, eos, prompts, max_new_tokens: int, k: int
         start = time.perf_counter()
         trajs = [engine.generate([p], SamplingConfig(max_new_tokens, 0.0, k))[0] for p in prompts]
         arms[name] = ([t.output_ids for t in trajs], time.perf_counter() - start, trajs if d is not None else None)
+    taus = {"native_eagle3": acceptance_stats(arms["native_eagle3"][2], k)["tau"]}
+    if vllm_python:
+        job = {"target": paths[0], "prompts": prompts, "eos": eos, "max_new_tokens": max_new_tokens}
+        for name, d in (("vllm", ""), ("vllm_eagle3", paths[1])):
+            outs, secs, tau = _vllm_arm(vllm_python, {**job, "drafter": d, "num_draft_tokens": k})
+            arms[name] = (outs, secs, None)
+            if tau is not None:
+                taus[name] = tau
     base_tps = sum(len(o) for o in hf_out) / arms["hf"][1]
     report = {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "num_draft_tokens": k, "arms": {}}
-    for name, (outs, secs, trajs) in arms.items():
+    for name, (outs, secs, _) in arms.items():
         tps = sum(len(o) for o in outs) / secs
         row = {
             "tokens_per_s": tps,
             "speedup_vs_hf": tps / base_tps,
             "identical_to_hf": f"{sum(a == b for a, b in zip(outs, hf_out))}/{len(prompts)}",
         }
-        if trajs is not None:
-            row["tau"] = acceptance_stats(trajs, k)["tau"]
+        if name in taus:
+            row["tau"] = taus[name]
         report["arms"][name] = row
     return report
 

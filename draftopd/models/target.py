@@ -13,6 +13,7 @@ lengths in one key/value cache (slots of rejected drafts are simply masked out).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class TargetModel:
                 raise ValueError(f"aux layer id {i} outside 0..{self.num_layers}")
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = self._install_hooks()
+        # transformers renamed `past_key_values` to `cache` in 5.20; vLLM 0.32 pins < 5.20, so both are met
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
     def load(cls, path: str | Path, aux_layer_ids: list[int] | None = None, dtype: torch.dtype = torch.float32):
@@ -106,8 +110,8 @@ class TargetModel:
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            cache=cache,
             use_cache=cache is not None,
+            **{self._cache_kwarg: cache},
         )
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None
         self._captured.clear()

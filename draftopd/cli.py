@@ -15,8 +15,18 @@ from draftopd.config import ConfigError
 from draftopd.data.eval_sets import EvalSetError
 from draftopd.data.prompts import PromptError
 from draftopd.loading import LoadError
+from draftopd.models.formats import FormatError
 
-USER_ERRORS = (ConfigError, EvalSetError, PromptError, LoadError, FileNotFoundError, IsADirectoryError, PermissionError)
+USER_ERRORS = (
+    ConfigError,
+    EvalSetError,
+    FormatError,
+    PromptError,
+    LoadError,
+    FileNotFoundError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
@@ -78,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=7, help="chain depth")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=None)
     p.add_argument("--json", required=True, help="write the profiles here (and a PNG beside it)")
+
+    p = sub.add_parser("export", help="write a drafter in a layout vLLM/SGLang (vllm) or speculators serve as is")
+    p.add_argument("--drafter", required=True, help="drafter directory (either layout)")
+    p.add_argument("--format", choices=["vllm", "speculators"], default="vllm")
+    p.add_argument("--out", required=True)
+    p.add_argument("--verifier", default="", help="speculators: the target model's name or path")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="speculators: draft tokens per step")
 
     p = sub.add_parser("make-toy-target", help="rebuild the toy target model from scratch")
     p.add_argument("--out", required=True)
@@ -235,6 +252,15 @@ def cmd_diagnose(args) -> None:
     print(f"profiles: {out}; plot: {out.with_suffix('.png')}")
 
 
+def cmd_export(args) -> None:
+    from draftopd.models.formats import export_drafter
+
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise FileNotFoundError(f"drafter {args.drafter}: no config.json")
+    out = export_drafter(args.drafter, args.format, args.out, args.verifier, args.num_draft_tokens)
+    print(f"{args.format} checkpoint: {out}")
+
+
 def cmd_train(args) -> None:
     from draftopd.config import ConfigError, load_config
     from draftopd.sft.pipeline import run_sft
@@ -341,6 +367,7 @@ COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
     "diagnose": cmd_diagnose,
+    "export": cmd_export,
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,

@@ -51,11 +51,15 @@ def eos_ids(tokenizer, target_path: str) -> list[int]:
 def load_drafter(path: str, target):
     """An EAGLE-3 checkpoint bound to `target`'s embedding; checks that the two fit together."""
     from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+    from draftopd.models.formats import FormatError, read_config
 
     p = Path(path)
     if not (p / "config.json").is_file():
         raise LoadError(f"drafter {path}: no config.json")
-    cfg = Eagle3Config.from_hf(json.loads((p / "config.json").read_text()))
+    try:
+        cfg = Eagle3Config.from_hf(read_config(p))  # the vllm or the speculators layout
+    except FormatError as exc:
+        raise LoadError(f"drafter {path}: {exc}") from None
     if cfg.vocab_size != target.vocab_size:
         raise LoadError(
             f"drafter {path} was built for a vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}"

@@ -319,7 +319,9 @@ class Eagle3Drafter(nn.Module):
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"drafter checkpoint {path} has no {name}")
-        cfg = Eagle3Config.from_hf(json.loads((path / "config.json").read_text()))
+        from draftopd.models.formats import read_config
+
+        cfg = Eagle3Config.from_hf(read_config(path))  # either serving layout
         tensors = load_file(str(path / "model.safetensors"))
         model = cls(cfg, embed_weight, d2t=tensors.get("d2t"))
         missing, unexpected = model.load_state_dict(tensors, strict=False)

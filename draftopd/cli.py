@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
     p.add_argument("--num-train-prompts", type=int, default=64)
     p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts (per set)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="engines: token budget per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="token budget per prompt (engines 128, else 96)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="engines: drafts of prompt lookup")
     p.add_argument(
         "--vllm-python",
@@ -314,6 +314,7 @@ def cmd_bench(args) -> None:
         num_draft_tokens=args.num_draft_tokens,
         depth=args.num_draft_tokens,
         seed=args.seed,
+        max_new_tokens=args.max_new_tokens or BenchSettings.max_new_tokens,
     )
     report = run_bench(
         target, eos_ids(tokenizer, args.target), lambda: load_drafter(drafter_dir, target), train, held, s
@@ -346,7 +347,7 @@ def _bench_engines(args) -> None:
         drafter,
         eos,
         prompts,
-        args.max_new_tokens,
+        args.max_new_tokens or 128,
         args.num_draft_tokens,
         args.prompt_lookup_tokens,
         args.vllm_python,

@@ -179,12 +179,15 @@ def test_bench_opd_vs_sft_matches_learner_tokens(tmp_path):
             "8",
             "--num-eval-prompts",
             "2",
+            "--max-new-tokens",
+            "48",
             "--json",
             str(out),
         ]
     )
     assert rc == 0
     r = json.loads(out.read_text())
+    assert list(r["per_set"]) == ["toy", "toy-arithmetic", "toy-code"]
     sft, opd = r["sft"]["learner_tokens"], r["opd"]["learner_tokens"]
     assert sft > 0 and sft <= opd < sft + 4 * 320  # OPD stops within one batch of the SFT arm's budget
     assert r["tau_ratio_opd_over_sft"] == pytest.approx(r["opd"]["tau"] / r["sft"]["tau"])

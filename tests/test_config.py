@@ -61,6 +61,7 @@ def test_closed_choices_are_checked(key):
         load_config(None, [f"{key}=bogus"])
 
 
-def test_gpu_learners_are_refused_until_supported():
-    with pytest.raises(ConfigError, match="learner ranks do not run on GPUs yet"):
-        load_config(None, ["learner.num_gpus_per_learner=1"])
+def test_a_learner_rank_takes_no_gpu_or_one_whole_gpu():
+    assert load_config(None, ["learner.num_gpus_per_learner=1"]).learner.num_gpus_per_learner == 1
+    with pytest.raises(ConfigError, match=r"must be 0 .* or 1"):
+        load_config(None, ["learner.num_gpus_per_learner=0.5"])

@@ -9,6 +9,7 @@ the drafter weights for the rollout workers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ class LearnerSpec:
 
 
 def deepspeed_config(spec: LearnerSpec, micro_batch: int) -> dict:
-    """ZeRO stage from the recipe; torch AdamW so nothing is JIT-compiled on CPU."""
+    """ZeRO stage from the recipe; torch AdamW so nothing is JIT-compiled on CPU; fp32 master weights under bf16."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -51,10 +52,39 @@ def deepspeed_config(spec: LearnerSpec, micro_batch: int) -> dict:
     }
     if not torch.cuda.is_available():
         cfg["zero_allow_untested_optimizer"] = True
+    if spec.target_dtype == "bfloat16":
+        # The drafter takes the target's dtype; DeepSpeed's bf16 mode keeps fp32 master weights, so that
+        # small updates (lr ~1e-5 on weights ~1e-2) are not rounded away in bf16.
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
-def _init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+def learner_device() -> torch.device:
+    """The GPU Ray gave this rank (learner.num_gpus_per_learner > 0), else the CPU.
+
+    Ray sets CUDA_VISIBLE_DEVICES per actor, so the rank's GPU is the current CUDA device (cuda:0).
+    A rank given no GPU, or built outside Ray, stays on the CPU even where CUDA is visible.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    import ray
+
+    if not (ray.is_initialized() and ray.get_gpu_ids()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def to_device(batch, device: torch.device):
+    """A dataclass batch with its tensors on `device`; the batch itself when it is already there (CPU)."""
+    moved = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            moved[f.name] = value.to(device)
+    return dataclasses.replace(batch, **moved) if moved else batch
+
+
+def _init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
     """Env-style rendezvous (no MPI discovery); the unused shared-memory all-reduce op is not built."""
     os.environ.update(
         RANK=str(rank),
@@ -70,7 +100,6 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
 
     # `import deepspeed.comm.torch as m` would bind the real torch (the package re-exports it): go via sys.modules.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skips a ~1 min JIT build training never uses
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
@@ -100,10 +129,13 @@ class DraftLearner:
 
         torch.set_num_threads(self.spec.num_threads)
         torch.manual_seed(self.spec.seed)
-        _init_distributed(self.rank, self.world_size, *self.master)
+        self.device = device = learner_device()
+        _init_distributed(self.rank, self.world_size, *self.master, "nccl" if device.type == "cuda" else "gloo")
         self.target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
+        self.target.model.to(device)
         embed = self.target.embed_tokens().weight
-        self.drafter = drafter = Eagle3Drafter.from_state(self.spec.drafter_config, self.spec.drafter_state, embed)
+        drafter = Eagle3Drafter.from_state(self.spec.drafter_config, self.spec.drafter_state, embed)
+        self.drafter = drafter = drafter.to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
@@ -111,7 +143,7 @@ class DraftLearner:
 
     def _apply(self, loss: torch.Tensor, metrics: dict, lr: float | None) -> dict:
         """Backward and step through DeepSpeed; a non-finite loss skips the step (counted, on every rank)."""
-        finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0])
+        finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0], device=loss.device)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if finite.item() == 0:
             self.num_nonfinite += 1
@@ -128,7 +160,7 @@ class DraftLearner:
         from draftopd.sft.trainer import collate, ttt_loss
 
         self.engine.train()
-        batch = collate(examples, max_len)
+        batch = to_device(collate(examples, max_len), self.device)
         loss, metrics = ttt_loss(self.engine.module, self.target, batch, depth, decay, forward=self.engine)
         return self._apply(loss, metrics, lr)
 
@@ -138,8 +170,10 @@ class DraftLearner:
         from draftopd.opd.replay import build_replay_batch, opd_loss, target_to_draft_index
 
         self.engine.train()
-        t2d = target_to_draft_index(self.drafter.draft_to_target_ids(), self.target.vocab_size)
+        # The batch is built on the CPU (per-state Python loops), then moved in one go.
+        t2d = target_to_draft_index(self.drafter.draft_to_target_ids().cpu(), self.target.vocab_size)
         batch = build_replay_batch(states, t2d, depth, decay, max_len, accepted_rows=loss_cfg.accepted_rows)
+        batch = to_device(batch, self.device)
         loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
         return self._apply(loss, metrics, lr)
 

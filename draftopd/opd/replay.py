@@ -45,8 +45,8 @@ class ReplayBatch:
 
 def target_to_draft_index(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[V] long: the draft id of each target id, -1 where the draft vocabulary lacks it."""
-    idx = torch.full((vocab_size,), -1, dtype=torch.long)
-    idx[draft_to_target] = torch.arange(len(draft_to_target))
+    idx = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_to_target.device)
+    idx[draft_to_target] = torch.arange(len(draft_to_target), device=draft_to_target.device)
     return idx
 
 
@@ -133,7 +133,7 @@ def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
     `forward` runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
     """
     n = batch.input_ids.shape[1]
-    out = target.forward(batch.input_ids, torch.arange(n).expand_as(batch.input_ids))
+    out = target.forward(batch.input_ids, torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids))
     aux = out.aux_hidden.to(drafter.embed.weight.dtype)
     depth = batch.depth_tokens.shape[1]
     logits = (forward or drafter)(batch.input_ids, aux, batch.valid, depth, batch.depth_tokens)
@@ -162,7 +162,7 @@ def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=No
     b, depth, n, _ = d_logits.shape
     d2t = drafter.draft_to_target_ids()
     t2d_index = target_to_draft_index(d2t, target.vocab_size)
-    acc = torch.zeros(b, depth, n)
+    acc = torch.zeros(b, depth, n, device=d_logits.device)
     for d in range(depth):
         span = n - d  # rows whose teacher position t + 1 + d exists
         acc[:, d, :span] = _accepted_divergence(

@@ -55,12 +55,12 @@ def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float, forward=No
     `forward` is what runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
     """
     n = batch.input_ids.shape[1]
-    positions = torch.arange(n).expand_as(batch.input_ids)
+    positions = torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids)
     out = target.forward(batch.input_ids, positions)
     forward = forward or drafter
     draft_logits = forward(batch.input_ids, out.aux_hidden.to(drafter.embed.weight.dtype), batch.valid, depth)
     d2t = drafter.draft_to_target_ids()
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     metrics = {}
     for d, logits in enumerate(draft_logits):
         span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists

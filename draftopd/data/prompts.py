@@ -83,7 +83,12 @@ def encode_chats(tokenizer, chats: list[list[dict[str, str]]], enable_thinking: 
 
 
 def load_prompts(spec: str, split: str, limit: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """`spec` is a JSONL path or `toy`; returns at most `limit` chats."""
+    """`spec` is a JSONL path, a pool folder made by `draftopd prepare-data` (its training prompts for
+    split `train`, its held-out prompts otherwise), or `toy`; returns at most `limit` chats."""
     if spec == "toy":
         return toy_prompts(split, limit, seed)
+    if Path(spec).is_dir():
+        from draftopd.data.pool import pool_prompts
+
+        return pool_prompts(spec, split)[:limit]
     return read_prompt_file(spec)[:limit]

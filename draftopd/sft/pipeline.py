@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from draftopd.config import Config
+from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.evaluate import evaluate, format_table
@@ -108,9 +109,12 @@ def run_sft(cfg: Config, argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_target(cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype)
     eos = eos_ids(tokenizer, cfg.target.path)
-    chats = load_prompts(cfg.data.prompts, "train", cfg.data.num_train_prompts, cfg.run.seed)
-    prompt_ids = encode_chats(tokenizer, chats, cfg.data.enable_thinking)
-    trajs = make_responses(target, eos, prompt_ids, cfg, run.path / "responses.jsonl")
+    # A pool made by `draftopd prepare-data` for this target and template already holds the target's responses.
+    trajs = pool_trajectories(cfg.data.prompts, cfg.target.path, cfg.data.enable_thinking, cfg.data.num_train_prompts)
+    if trajs is None:
+        chats = load_prompts(cfg.data.prompts, "train", cfg.data.num_train_prompts, cfg.run.seed)
+        prompt_ids = encode_chats(tokenizer, chats, cfg.data.enable_thinking)
+        trajs = make_responses(target, eos, prompt_ids, cfg, run.path / "responses.jsonl")
     drafter = build_drafter(cfg, target, trajs, eos)
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
     trainer = SFTTrainer(drafter, target, examples, cfg.sft, cfg.run.seed, tokenizer.pad_token_id or 0)

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from draftopd.cluster import add_arguments as add_cluster_arguments
 from draftopd.config import ConfigError
 from draftopd.data.eval_sets import EvalSetError
 from draftopd.data.prompts import PromptError
@@ -125,10 +126,82 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True)
 
+    _prepare_data_args(sub)
+
     p = sub.add_parser("ui", help="serve the MLflow UI for a run directory (or a tracking URI) on 127.0.0.1")
     p.add_argument("store", help="run directory holding mlflow.db, a path to an mlflow.db, or a backend store URI")
     p.add_argument("--port", type=int, default=5000)
+
+    p = sub.add_parser(
+        "cluster", help="a recipe's cluster launchers: KubeRay RayCluster/RayJob, a SLURM script, ray job submit"
+    )
+    add_cluster_arguments(p)
     return parser
+
+
+def _prepare_data_args(sub) -> None:
+    p = sub.add_parser(
+        "prepare-data",
+        help="a prompt pool from local ShareGPT/UltraChat/GSM8K/MATH/AoPS/CodeAlpaca copies, mixed, deduplicated, "
+        "split, with the target's regenerated responses, in shards with a manifest (resumable)",
+    )
+    p.add_argument("--out", required=True, help="output folder (rerunning with the same flags resumes it)")
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="KIND[=PATH][:WEIGHT]",
+        help="sharegpt, ultrachat, chat, gsm8k, math, aops, codealpaca; PATH a file or folder (omitted: the HF "
+        "datasets cache); WEIGHT its share of the mix (default 1); repeat per source",
+    )
+    p.add_argument("--mix", default=None, help="YAML mix file: sources: [{name, kind, path, weight}, ...]")
+    p.add_argument("--target", default="toy", help="target model directory, or 'toy' (default)")
+    p.add_argument("--num-prompts", type=int, default=0, help="training prompts, split by weight (0: every row)")
+    p.add_argument("--num-heldout", type=int, default=0, help="held-out prompts, split by weight, disjoint")
+    p.add_argument("--no-thinking", action="store_true", help="render prompts with thinking off")
+    p.add_argument("--backend", choices=["native", "vllm"], default="native")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="native: prompts decoded together")
+    p.add_argument("--shard-size", type=int, default=1000, help="rows per shard")
+    p.add_argument("--shard-format", choices=["jsonl", "parquet"], default="jsonl")
+    p.add_argument("--max-malformed-fraction", type=float, default=0.05, help="per source; above it is an error")
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="skip longer rendered prompts (0: no limit)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--vllm-python", default=None, help="vllm: a Python with vllm and draftopd (default: this one)")
+    p.add_argument("--memory-fraction", type=float, default=0.2, help="vllm: gpu_memory_utilization")
+    p.add_argument("--vllm-eager", action="store_true", help="vllm: enforce_eager (no compile: faster start)")
+
+
+def cmd_prepare_data(args) -> None:
+    from draftopd.data.prepare import PrepareSettings, prepare_data
+    from draftopd.data.sources import parse_source_arg, read_mix_file
+
+    sources = (read_mix_file(args.mix) if args.mix else []) + [parse_source_arg(a) for a in args.source]
+    settings = PrepareSettings(
+        out=args.out,
+        sources=sources,
+        target=args.target,
+        num_prompts=args.num_prompts,
+        num_heldout=args.num_heldout,
+        enable_thinking=not args.no_thinking,
+        backend=args.backend,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        shard_format=args.shard_format,
+        max_malformed_fraction=args.max_malformed_fraction,
+        max_prompt_tokens=args.max_prompt_tokens,
+        dtype=args.dtype,
+        vllm_python=args.vllm_python,
+        memory_fraction=args.memory_fraction,
+        vllm_eager=args.vllm_eager,
+    )
+    prepare_data(settings)
+    print(f"pool: {Path(args.out) / 'manifest.json'}")
 
 
 def _load_for_sampling(args):
@@ -364,6 +437,12 @@ def cmd_ui(args) -> int:
     return serve_ui(args.store, args.port)
 
 
+def cmd_cluster(args) -> None:
+    from draftopd.cluster import run
+
+    run(args)
+
+
 COMMANDS = {
     "train": cmd_train,
     "generate": cmd_generate,
@@ -373,6 +452,8 @@ COMMANDS = {
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,
     "bench": cmd_bench,
+    "cluster": cmd_cluster,
+    "prepare-data": cmd_prepare_data,
 }
 
 

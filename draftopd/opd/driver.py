@@ -111,4 +111,9 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
         f"held-out tau = {last['eval/toy/tau']:.3f} (K={cfg.rollout.num_draft_tokens}, policy version "
         f"{state.policy_version}); MLflow run {state.mlflow_run_id}"
     )
-    return {"run_dir": str(run.path), "drafter": str(final), "history": state.history}
+    return {
+        "run_dir": str(run.path),
+        "drafter": str(final),
+        "history": state.history,
+        "mlflow_run_id": state.mlflow_run_id,
+    }

@@ -49,6 +49,13 @@ def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
     p.add_argument("--no-thinking", action="store_true", help="render prompts with thinking off")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=None, help="target layers the drafter reads")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--backend",
+        choices=["native", "vllm"],
+        default="native",
+        help="native: draftopd's torch engine; vllm: stock vLLM with the drafter as its EAGLE-3 speculator",
+    )
+    p.add_argument("--memory-fraction", type=float, default=0.2, help="vllm: gpu_memory_utilization, all engines")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="benchmarks; 'opd-vs-sft': more SFT vs Draft-OPD at matched learner compute; "
-        "'engines': the native engine vs Hugging Face generate (plain and prompt-lookup assisted)",
+        "'engines': the native engine vs Hugging Face generate (plain and prompt-lookup assisted); "
+        "'rollout': rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native engine",
     )
-    p.add_argument("which", choices=["opd-vs-sft", "engines"])
+    p.add_argument("which", choices=["opd-vs-sft", "engines", "rollout"])
     p.add_argument("--target", default="toy")
     p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
@@ -204,30 +212,48 @@ def cmd_prepare_data(args) -> None:
     print(f"pool: {Path(args.out) / 'manifest.json'}")
 
 
-def _load_for_sampling(args):
-    from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
-    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
+def _engines(args, eos: list[int], num_engines: int):
+    """The EngineSet of --backend: native loads the torch models here; vLLM loads them in its own engines."""
+    from draftopd.engine.backends import EngineSet
+    from draftopd.loading import load_drafter, load_target
 
-    # Prompts first, so a bad prompt file fails before any model is loaded.
-    chats = toy_prompts("held_out", args.num_prompts or 48) if args.prompts == "toy" else read_prompt_file(args.prompts)
-    chats = chats[: args.num_prompts] if args.num_prompts else chats
-    tokenizer = load_tokenizer(args.target)
+    if args.backend == "vllm":
+        return EngineSet(
+            "vllm",
+            eos,
+            target_path=args.target,
+            drafter_path=args.drafter or "",
+            num_engines=num_engines,
+            dtype=args.dtype,
+            memory_fraction=args.memory_fraction,
+        )
     target = load_target(args.target, args.aux_layer_ids, args.dtype)
     drafter = load_drafter(args.drafter, target) if args.drafter else None
-    prompts = encode_chats(tokenizer, chats, enable_thinking=not args.no_thinking)
-    return tokenizer, target, drafter, prompts, eos_ids(tokenizer, args.target)
+    return EngineSet("native", eos, target=target, drafter=drafter)
 
 
 def cmd_generate(args) -> None:
     from tqdm import tqdm
 
-    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+    from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
+    from draftopd.engine.speculative import SamplingConfig
     from draftopd.evaluate import timed_generate
+    from draftopd.loading import eos_ids, load_tokenizer
 
-    tokenizer, target, drafter, prompts, eos = _load_for_sampling(args)
-    cfg = SamplingConfig(args.max_new_tokens, args.temperature, args.num_draft_tokens, args.seed)
-    with tqdm(total=len(prompts), desc="generate", unit="prompt") as bar:
-        run = timed_generate(SpeculativeEngine(target, drafter, eos), prompts, cfg, args.batch_size, bar)
+    # Prompts first, so a bad prompt file fails before any model is loaded.
+    chats = toy_prompts("held_out", args.num_prompts or 48) if args.prompts == "toy" else read_prompt_file(args.prompts)
+    chats = chats[: args.num_prompts] if args.num_prompts else chats
+    tokenizer = load_tokenizer(args.target)
+    prompts = encode_chats(tokenizer, chats, enable_thinking=not args.no_thinking)
+    eos = eos_ids(tokenizer, args.target)
+    k = args.num_draft_tokens if args.drafter else 0
+    cfg = SamplingConfig(args.max_new_tokens, args.temperature, k, args.seed)
+    engines = _engines(args, eos, 1)
+    try:
+        with tqdm(total=len(prompts), desc="generate", unit="prompt") as bar:
+            run = timed_generate(engines.get(k), prompts, cfg, args.batch_size, bar)
+    finally:
+        engines.close()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
@@ -265,12 +291,12 @@ def cmd_eval(args) -> None:
     from tqdm import tqdm
 
     from draftopd.eval_suite import VARIANTS, SuiteSettings, format_suite_table, num_generations, plot_suite, run_suite
-    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
+    from draftopd.loading import eos_ids, load_tokenizer
 
     sets = _eval_sets(args)  # before any model is loaded: a bad set fails fast
     tokenizer = load_tokenizer(args.target)
-    target = load_target(args.target, args.aux_layer_ids, args.dtype)
-    drafter = load_drafter(args.drafter, target)
+    eos = eos_ids(tokenizer, args.target)
+    engines = _engines(args, eos, 1 + len(args.num_draft_tokens))
     settings = SuiteSettings(
         args.num_draft_tokens,
         args.temperature,
@@ -281,9 +307,11 @@ def cmd_eval(args) -> None:
         VARIANTS if args.robustness else ("clean",),
         args.long_context_tokens,
     )
-    eos = eos_ids(tokenizer, args.target)
-    with tqdm(total=num_generations(sets, settings), desc="eval", unit="seq") as bar:
-        reports = run_suite(target, drafter, tokenizer, eos, sets, settings, bar)
+    try:
+        with tqdm(total=num_generations(sets, settings), desc="eval", unit="seq") as bar:
+            reports = run_suite(engines, tokenizer, sets, settings, bar)
+    finally:
+        engines.close()
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(reports, indent=2) + "\n")
@@ -364,6 +392,8 @@ def cmd_make_toy_target(args) -> None:
 def cmd_bench(args) -> None:
     if args.which == "engines":
         return _bench_engines(args)
+    if args.which == "rollout":
+        return _bench_rollout(args)
     import torch
 
     from draftopd.bench.opd_vs_sft import BenchSettings, run_bench
@@ -401,6 +431,31 @@ def cmd_bench(args) -> None:
             f"{r['tau_ratio_opd_over_sft']:>7.3f} {r['opd_tau_over_ceiling']:>13.3f}"
         )
     print(f"learner tokens: SFT {report['sft']['learner_tokens']}, Draft-OPD {report['opd']['learner_tokens']}")
+
+
+def _bench_rollout(args) -> None:
+    from draftopd.bench.rollout import format_rollout, run_rollout_bench
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    prompts = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
+    report = run_rollout_bench(
+        target,
+        load_drafter(drafter_dir, target),
+        drafter_dir,
+        str(resolve_target_path(args.target)),
+        eos_ids(tokenizer, args.target),
+        prompts,
+        args.num_draft_tokens,
+        args.max_new_tokens or 128,
+        args.batch_size,
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(format_rollout(report))
 
 
 def _bench_engines(args) -> None:

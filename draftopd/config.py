@@ -72,9 +72,10 @@ class DrafterConfig:
 @dataclass
 class DataConfig:
     prompts: str = TOY_TARGET
-    """JSONL file of prompts ({"prompt": ...} or {"messages": [...]} per line), or `toy` for the toy corpus."""
+    """JSONL file of prompts ({"prompt": ...} or {"messages": [...]} per line), a `draftopd prepare-data` pool
+    folder (its train split, with its responses), or `toy` for the toy corpus."""
     eval_prompts: str = TOY_TARGET
-    """JSONL of held-out prompts, or `toy` for the toy corpus's held-out split."""
+    """JSONL of held-out prompts, a prepared pool folder (its held-out split), or `toy` for the toy corpus's."""
     num_train_prompts: int = 800
     """How many prompts to answer with the target for training."""
     num_eval_prompts: int = 32

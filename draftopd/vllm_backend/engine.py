@@ -79,19 +79,22 @@ class VllmEngine:
         self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
         self.has_drafter = spec is not None
         # the extension also reloads drafter weights, so it is loaded even when nothing is recorded
-        kwargs = {"per_request_spec_decode_metrics": "detailed"} if record else {}
-        self.llm = LLM(
-            model=str(target_dir),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            speculative_config=spec,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=memory_fraction,  # on CPU: the share of host memory vLLM may take
-            enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
-            worker_extension_cls=EXTENSION,
-            **kwargs,
-        )
+        kwargs = {"per_request_spec_decode_metrics": "detailed"} if record and spec else {}
+        try:
+            self.llm = LLM(
+                model=str(target_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                speculative_config=spec,
+                seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=memory_fraction,  # on CPU: the share of host memory vLLM may take
+                enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
+                worker_extension_cls=EXTENSION,
+                **kwargs,
+            )
+        except Exception as exc:  # vLLM's config errors do not pickle, so they would not cross a Ray actor boundary
+            raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
         if record:
             self.llm.collective_rpc("draftopd_install")
 

@@ -61,6 +61,9 @@ class DrafterConfig:
     """Attention heads of the single decoder layer."""
     num_key_value_heads: int = 4
     """Key/value heads (grouped-query attention)."""
+    head_dim: int = 0
+    """Width of each attention head; 0 means hidden_size / num_attention_heads (set it to the target's when the
+    target's heads are wider, as published drafters do for Qwen3-4B, Qwen3-30B-A3B and gpt-oss)."""
     draft_vocab_size: int = 1024
     """Size of the drafter's output vocabulary, the most frequent target tokens of the training responses."""
     norm_output: bool = False

@@ -92,6 +92,7 @@ def new_drafter(cfg: DrafterConfig, target, draft_to_target: torch.Tensor):
         intermediate_size=cfg.intermediate_size or 3 * hidden,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
         vocab_size=target.vocab_size,
         draft_vocab_size=len(draft_to_target),
         target_hidden_size=target.hidden_size,

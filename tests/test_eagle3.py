@@ -11,7 +11,7 @@ from draftopd.models.eagle3 import Eagle3Drafter
 from draftopd.testing import tiny_drafter, tiny_target
 
 
-@pytest.mark.parametrize("opts", [{}, {"norm_output": True, "fc_norm": True}])
+@pytest.mark.parametrize("opts", [{}, {"norm_output": True, "fc_norm": True}, {"head_dim": 16}])
 def test_checkpoint_round_trip_is_exact(tmp_path, opts):
     target = tiny_target()
     drafter = tiny_drafter(target, draft_vocab=12, **opts)
@@ -60,7 +60,7 @@ def test_checkpoint_layout_is_what_vllm_reads(tmp_path):
     assert not any(k.startswith("embed") for k in tensors)  # the target's embedding is shared, not saved
 
 
-@pytest.mark.parametrize("opts", [{}, {"norm_output": True, "fc_norm": True}])
+@pytest.mark.parametrize("opts", [{}, {"norm_output": True, "fc_norm": True}, {"head_dim": 16}])
 def test_ttt_matches_chained_inference(opts):
     """Depth d of training-time test equals chain step d+1 of cached inference, row by row."""
     target = tiny_target()

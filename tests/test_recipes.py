@@ -56,8 +56,10 @@ def test_drafter_shape_fits_the_target(recipe):
     assert len(set(ids)) == 3 and all(1 <= i <= n - 1 for i in ids), ids
     assert ids == [2, n // 2, n - 3], "shipped recipes use vLLM's default capture layers"
     assert d.draft_vocab_size == 32000 <= hf["vocab_size"]
-    assert width % d.num_attention_heads == 0 and d.num_attention_heads % d.num_key_value_heads == 0
-    head_dim = width // d.num_attention_heads
+    assert d.num_attention_heads % d.num_key_value_heads == 0
+    head_dim = d.head_dim or width // d.num_attention_heads
+    assert d.head_dim or width % d.num_attention_heads == 0
+    assert head_dim in (width // d.num_attention_heads, hf.get("head_dim")), "hidden/heads, or the target's width"
     assert head_dim % 8 == 0, "RoPE needs an even head_dim; attention kernels want a multiple of 8"
     assert d.intermediate_size > 0
 
@@ -87,7 +89,7 @@ def test_eagle3_weights_have_the_serving_shapes(recipe):
     with torch.device("meta"):
         drafter = new_drafter(d, _meta_target(hf, cfg.target.aux_layer_ids), torch.arange(vd))
     h, inter, nh, nkv = drafter.cfg.hidden_size, d.intermediate_size, d.num_attention_heads, d.num_key_value_heads
-    hd = h // nh
+    hd = d.head_dim or h // nh
     want = {
         "fc.weight": (h, 3 * ht),
         "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * h),

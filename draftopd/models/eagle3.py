@@ -48,10 +48,10 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     norm_output: bool = False
     fc_norm: bool = False
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads; set it for targets whose heads are wider (Qwen3-4B)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
     def to_hf(self) -> dict:
         """config.json as vLLM and SGLang read it for `method: eagle3`."""
@@ -96,6 +96,7 @@ class Eagle3Config:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             norm_output=bool(d.get("norm_output", False)),
             fc_norm=bool(d.get("fc_norm", False)),
+            head_dim=d.get("head_dim") or 0,
         )
 
 

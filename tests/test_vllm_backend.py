@@ -41,6 +41,18 @@ def engine(toy, tmp_path_factory):
     engines.close()
 
 
+def test_the_hook_checks_the_vllm_internals_it_wraps(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from draftopd.vllm_backend.hook import VllmInternalsError, check_internals
+
+    check_internals()  # the installed vLLM has them all
+    # as in a vLLM whose sampling step takes other arguments
+    monkeypatch.setattr(GPUModelRunner, "_sample", lambda self, logits, sampling_metadata: None)
+    with pytest.raises(VllmInternalsError, match=f"vLLM {vllm.__version__} lacks GPUModelRunner._sample"):
+        check_internals()
+
+
 def _native(toy, drafter):
     target, eos, prompts = toy
     return SpeculativeEngine(target, drafter, eos).generate(prompts, GREEDY, policy_version=0)

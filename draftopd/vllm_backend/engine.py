@@ -137,12 +137,11 @@ class VllmEngine:
     def load_drafter_state(self, state: dict, version: int) -> int:
         """Push drafter weights ({vLLM checkpoint name: array}) into the running engine and reset the prefix
         cache; returns the policy version the engine's workers confirm holding."""
-        import numpy as np
-        import torch
         from safetensors.torch import save
 
-        tensors = {k: torch.from_numpy(np.array(v, copy=True)).contiguous() for k, v in state.items()}
-        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
+        from draftopd.models.eagle3 import state_to_tensors
+
+        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(state_to_tensors(state)), version))
         self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
         if set(confirmed) != {version}:
             raise RuntimeError(f"vLLM workers confirm drafter versions {confirmed} after pushing {version}")
@@ -151,9 +150,6 @@ class VllmEngine:
     def shutdown(self) -> None:
         """Stop vLLM's engine process now (it is not reliably stopped by garbage collection alone)."""
         self.llm.llm_engine.engine_core.shutdown()
-
-    def drafter_summary(self) -> dict:
-        return self.llm.collective_rpc("draftopd_drafter_state")[0]
 
 
 def _finish(reason: str | None) -> str:
@@ -202,13 +198,12 @@ def write_drafter(config: dict, state: dict, out: str | Path) -> Path:
     """A drafter checkpoint directory vLLM can start from (config.json + model.safetensors)."""
     import json
 
-    import numpy as np
-    import torch
     from safetensors.torch import save_file
+
+    from draftopd.models.eagle3 import state_to_tensors
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: torch.from_numpy(np.array(v, copy=True)).contiguous() for k, v in state.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state_to_tensors(state), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -117,11 +117,6 @@ class RecordingExtension:
         runner._draftopd_version = version
         return runner._draftopd_version
 
-    def draftopd_drafter_state(self) -> dict:
-        """The drafter's parameters as the engine holds them (name -> list shape, sum), for tests and checks."""
-        params = self.model_runner.drafter.model.named_parameters()
-        return {n: [list(p.shape), float(p.double().sum())] for n, p in params}
-
 
 def _wrap_sample(runner, state: dict) -> None:
     import torch

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -284,10 +285,64 @@ def ui_command(store: str, port: int = 5000) -> list[str]:
 
 
 def serve_ui(store: str, port: int = 5000) -> int:
-    """Run the MLflow UI in the foreground until interrupted; return its exit code."""
+    """Run the MLflow UI in the foreground until it exits or SIGTERM/SIGINT arrives; return an exit code.
+
+    `mlflow server` runs uvicorn as a child process, so a signal that reached only the mlflow CLI would leave
+    uvicorn holding the port. The server therefore runs in its own process group and both signals go to the
+    whole group; a signal ends the UI with 128 + its number, as a shell reports it.
+    """
     cmd = ui_command(store, port)
     print(
         f"MLflow UI on http://127.0.0.1:{port} (store {cmd[cmd.index('--backend-store-uri') + 1]}); Ctrl-C stops it",
         flush=True,
     )
-    return subprocess.run(cmd).returncode
+    proc = subprocess.Popen(cmd, start_new_session=True)  # its own session: a new process group led by it
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        _signal_group(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _end_group(proc.pid)
+    return 128 + received[0] if received else rc
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send `signum` to process group `pgid`; False when the group has no process left."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _end_group(pgid: int, grace_s: float = 15.0) -> None:
+    """SIGTERM what is left of the group, wait for it (uvicorn outlives the mlflow CLI by its shutdown), SIGKILL
+    after `grace_s`."""
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_runs(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_runs(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Zombies do not count: the orphaned uvicorn is reaped by
+    init, which may take its time (or never come, in a container whose init does not reap), and holds nothing."""
+    if not Path("/proc").is_dir():
+        return _signal_group(pgid, 0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # the process ended while we looked
+        if int(group) == pgid and state != "Z":
+            return True
+    return False

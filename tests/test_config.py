@@ -3,21 +3,41 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from draftopd.config import Config, ConfigError, load_config
+from draftopd.config import ConfigError, load_config, to_dict
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
 
-def test_there_are_recipes():
-    assert RECIPES
+def test_the_shipped_toy_recipes_are_among_those_checked():
+    """The parametrized test below would pass with no recipe at all; the ones the README runs must be in it."""
+    assert {"toy-sft.yaml", "toy-opd.yaml", "toy-opd-vllm.yaml"} <= {p.name for p in RECIPES}
+
+
+def _leaves(node, prefix=()):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_every_recipe_loads(recipe):
+def test_every_recipe_loads_with_its_own_values(recipe):
+    """Each value the recipe file sets is the value of the loaded config (not a default, not another recipe's)."""
     cfg = load_config(recipe)
-    assert isinstance(cfg, Config)
     assert cfg.sft.ttt_depth >= 1 and cfg.drafter.draft_vocab_size > 0
+    loaded = to_dict(cfg)
+    written = OmegaConf.to_container(OmegaConf.load(recipe), resolve=True) or {}
+    checked = 0
+    for path, value in _leaves({k: v for k, v in written.items() if k in loaded}):  # sections, not composition
+        node = loaded
+        for key in path:
+            node = node[key]
+        assert node == value, (".".join(path), node, value)
+        checked += 1
+    assert checked, f"{recipe.name} sets no config value"
 
 
 def test_overrides_apply_with_types():

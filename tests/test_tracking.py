@@ -5,14 +5,18 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from draftopd.tracking import Tracker, acceptance_curve_plot, flatten, ui_command
 
 pytest.importorskip("mlflow")
+
+DRAFTOPD = Path(sys.executable).parent / "draftopd"
 
 
 @pytest.fixture(scope="module")
@@ -164,26 +168,86 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ui_server_answers_on_localhost(store):
+def test_ui_serves_the_run_and_a_sigterm_ends_the_server(store):
+    """`draftopd ui RUN_DIR` answers on localhost; SIGTERM to it frees the port and leaves no process behind."""
     port = _free_port()
-    proc = subprocess.Popen(
-        ui_command(str(store), port), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    ui = subprocess.Popen(
+        [str(DRAFTOPD), "ui", str(store), "--port", str(port)],
+        start_new_session=True,  # a group of its own, so the cleanup below reaches only what this test started
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+    children = {}
     try:
-        status, deadline = None, time.monotonic() + 60
-        while status is None and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    status = r.status
-            except OSError:
-                time.sleep(0.5)
-        assert status == 200, f"no answer from the MLflow server (exit code {proc.poll()})"
+        _wait_for_health(port, ui)
         with urllib.request.urlopen(
             f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name?experiment_name=exp", timeout=10
         ) as r:
             assert b'"exp"' in r.read()  # it serves the run directory's store
+        children = _descendants(ui.pid)
+        assert len(children) >= 2, children  # the mlflow CLI and its uvicorn server, at least
+        ui.send_signal(signal.SIGTERM)
+        rc = ui.wait(timeout=30)
+        survivors = {pid: start for pid, start in children.items() if _runs(pid, start)}
+        assert not survivors, f"processes of the UI outlived it: {survivors}"
+        assert _port_is_free(port)
+        assert rc == 128 + signal.SIGTERM
     finally:
-        _stop_group(proc)
+        for pid, start in children.items():
+            if _runs(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        _stop_group(ui)
+
+
+def _wait_for_health(port: int, proc: subprocess.Popen, seconds: float = 60) -> None:
+    status, deadline = None, time.monotonic() + seconds
+    while status is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                status = r.status
+        except OSError:
+            time.sleep(0.5)
+    assert status == 200, f"no answer from the MLflow server (exit code {proc.poll()})"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...), or None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """PID -> start time (to tell a reused PID apart) of every process below `root`."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))):
+            parent[int(entry.name)] = (int(fields[1]), fields[19])
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, (ppid, start) in parent.items():
+            if ppid == pid and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
+def _runs(pid: int, start: str) -> bool:
+    """Whether the process `pid` that started at `start` still runs (a zombie holds nothing and does not count)."""
+    fields = _stat(pid)
+    return fields is not None and fields[19] == start and fields[0] != "Z"
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no listener
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

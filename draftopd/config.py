@@ -51,8 +51,10 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
+    kind: str = "eagle3"
+    """Drafter family (draftopd/drafters): `eagle3`. A checkpoint of another family is refused."""
     init: str = ""
-    """Start from this EAGLE-3 checkpoint directory instead of a fresh drafter."""
+    """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter."""
     hidden_size: int = 0
     """Drafter width; 0 means the target's hidden size (the embedding is shared)."""
     intermediate_size: int = 0
@@ -330,7 +332,9 @@ CHOICES = {
 
 
 def _check_choices(cfg: Config) -> None:
-    for key, allowed in CHOICES.items():
+    from draftopd.drafters import FAMILIES  # the family list lives with the families
+
+    for key, allowed in {**CHOICES, "drafter.kind": tuple(FAMILIES)}.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:

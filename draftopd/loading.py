@@ -1,4 +1,4 @@
-"""Finding and loading targets, tokenizers and drafters, with errors a user can act on."""
+"""Finding and loading targets and tokenizers, with errors a user can act on (drafters: draftopd.drafters)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from draftopd.config import TOY_TARGET, DrafterConfig
+from draftopd.config import TOY_TARGET
 
 ASSETS = Path(__file__).parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -46,62 +46,3 @@ def eos_ids(tokenizer, target_path: str) -> list[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return sorted(ids)
-
-
-def load_drafter(path: str, target):
-    """An EAGLE-3 checkpoint bound to `target`'s embedding; checks that the two fit together."""
-    from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
-    from draftopd.models.formats import FormatError, read_config
-
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise LoadError(f"drafter {path}: no config.json")
-    try:
-        cfg = Eagle3Config.from_hf(read_config(p))  # the vllm or the speculators layout
-    except FormatError as exc:
-        raise LoadError(f"drafter {path}: {exc}") from None
-    if cfg.vocab_size != target.vocab_size:
-        raise LoadError(
-            f"drafter {path} was built for a vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}"
-        )
-    if cfg.hidden_size != target.hidden_size or cfg.target_hidden_size != target.hidden_size:
-        raise LoadError(
-            f"drafter {path} expects target hidden size {cfg.target_hidden_size} (own {cfg.hidden_size}), "
-            f"the target has {target.hidden_size}"
-        )
-    if cfg.aux_layer_ids and cfg.aux_layer_ids != target.aux_layer_ids:
-        raise LoadError(f"drafter {path} reads target layers {cfg.aux_layer_ids}, target set to {target.aux_layer_ids}")
-    return Eagle3Drafter.load(p, target.embed_tokens().weight)
-
-
-def rope_theta(config) -> float:
-    """RoPE base of a HF config (transformers 5 keeps it in `rope_parameters`)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
-
-
-def new_drafter(cfg: DrafterConfig, target, draft_to_target: torch.Tensor):
-    """A freshly initialised drafter for `target` over the given draft vocabulary (sorted target ids)."""
-    from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
-
-    hidden = cfg.hidden_size or target.hidden_size
-    if hidden != target.hidden_size:
-        raise LoadError("the EAGLE-3 drafter shares the target's embedding, so its hidden size must match the target's")
-    ecfg = Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=cfg.intermediate_size or 3 * hidden,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=len(draft_to_target),
-        target_hidden_size=target.hidden_size,
-        aux_layer_ids=list(target.aux_layer_ids),
-        rms_norm_eps=getattr(target.model.config, "rms_norm_eps", 1e-6),
-        rope_theta=rope_theta(target.model.config),
-        max_position_embeddings=getattr(target.model.config, "max_position_embeddings", 2048),
-        norm_output=cfg.norm_output,
-        fc_norm=cfg.fc_norm,
-    )
-    d2t = draft_to_target - torch.arange(len(draft_to_target))
-    return Eagle3Drafter(ecfg, target.embed_tokens().weight, d2t=d2t).to(target.dtype)

@@ -109,7 +109,7 @@ class WeightUpdate:
 
     Invariants: `policy_version` counts learner steps (0 is the starting drafter)
     and only grows within a run; `drafter_config` is the drafter's config.json
-    dict; exactly one of `state_ref` (a Ray object reference to numpy weights,
+    dict; exactly one of `state_ref` (a Ray object reference to the weights as tensors,
     the object-store transport) and `group` (the collective group the weights
     were broadcast over) is set. A worker that holds `policy_version` already
     ignores the rest; one that does not fetches `state_ref`, or, with only a

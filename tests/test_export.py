@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from draftopd.cli import main
-from draftopd.loading import ASSETS, LoadError, load_drafter, load_target
+from draftopd.drafters import load_drafter
+from draftopd.loading import ASSETS, LoadError, load_target
 
 TOY_DRAFTER = ASSETS / "toy-eagle3-driftfix"  # norm_output and fc_norm set: the fields must survive
 
@@ -18,14 +19,14 @@ def toy_target():
 
 
 def test_export_round_trips_both_layouts(tmp_path, toy_target):
-    original = load_drafter(str(TOY_DRAFTER), toy_target).checkpoint_state()
+    original = load_drafter(str(TOY_DRAFTER), toy_target).state()
     for fmt in ("vllm", "speculators"):
         out = tmp_path / fmt
         argv = ["export", "--drafter", str(TOY_DRAFTER), "--format", fmt, "--out", str(out)]
         assert main([*argv, "--verifier", "toy-target", "--num-draft-tokens", "5"]) == 0
         back = load_drafter(str(out), toy_target)
         assert back.cfg.norm_output and back.cfg.fc_norm and back.cfg.aux_layer_ids == [1, 2, 3]
-        state = back.checkpoint_state()
+        state = back.state()
         assert state.keys() == original.keys() and all(torch.equal(state[k], original[k]) for k in state)
     spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert spec["speculators_model_type"] == "eagle3" and spec["norm_before_residual"] is False

@@ -19,8 +19,8 @@ def _free_port() -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_learner_rank_matches_the_cpu_losses(ray_session, tiny_pair, tmp_path):
-    import numpy as np
-
+    from draftopd.config import DrafterConfig
+    from draftopd.drafters import save_drafter
     from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
     from draftopd.messages import ErrorState
     from draftopd.opd.learner import DraftLearner, LearnerSpec
@@ -29,9 +29,8 @@ def test_gpu_learner_rank_matches_the_cpu_losses(ray_session, tiny_pair, tmp_pat
 
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
-    spec = LearnerSpec(
-        str(tmp_path / "tiny"), target.aux_layer_ids, "float32", drafter.cfg.to_hf(), drafter.numpy_state(), lr=1e-2
-    )
+    init = str(save_drafter(drafter, tmp_path / "drafter"))
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), init, lr=1e-2)
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.25, num_gpus=1).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
 
@@ -53,5 +52,5 @@ def test_gpu_learner_rank_matches_the_cpu_losses(ray_session, tiny_pair, tmp_pat
     before = ray_session.get(learner.weights.remote())
     got = ray_session.get(learner.opd_step.remote(states, 4, 0.8, 128, OPDLossConfig(), 1e-2))
     after = ray_session.get(learner.weights.remote())
-    assert got["skipped_nonfinite"] == 0 and not np.array_equal(before["fc.weight"], after["fc.weight"])
+    assert got["skipped_nonfinite"] == 0 and not torch.equal(before["fc.weight"], after["fc.weight"])
     ray_session.kill(learner)

@@ -65,13 +65,14 @@ def test_drafter_shape_fits_the_target(recipe):
 
 
 def _meta_target(hf: dict, aux_layer_ids: list[int]):
-    """What `loading.new_drafter` reads from a target, with a meta-device embedding (no memory)."""
+    """What `drafters.new_drafter` reads from a target, with a meta-device embedding (no memory)."""
     embed = torch.empty(hf["vocab_size"], hf["hidden_size"], device="meta", dtype=torch.bfloat16)
     return SimpleNamespace(
         hidden_size=hf["hidden_size"],
         vocab_size=hf["vocab_size"],
         aux_layer_ids=aux_layer_ids,
         dtype=torch.bfloat16,
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
         model=SimpleNamespace(config=SimpleNamespace(**hf)),
         embed_tokens=lambda: SimpleNamespace(weight=embed),
     )
@@ -80,8 +81,7 @@ def _meta_target(hf: dict, aux_layer_ids: list[int]):
 @pytest.mark.parametrize("recipe", REAL, ids=lambda p: p.stem)
 def test_eagle3_weights_have_the_serving_shapes(recipe):
     """The drafter a run builds (on the meta device) has the tensor shapes vLLM's llama_eagle3 loads."""
-    from draftopd.loading import new_drafter
-    from draftopd.models.eagle3 import Eagle3Config
+    from draftopd.drafters import new_drafter
 
     cfg = load_config(recipe)
     hf, d = _fixture(cfg), cfg.drafter
@@ -103,13 +103,13 @@ def test_eagle3_weights_have_the_serving_shapes(recipe):
         "d2t": (vd,),
         "t2d": (vocab,),
     }
-    shapes = {k: tuple(v.shape) for k, v in drafter.checkpoint_state().items()}
+    shapes = {k: tuple(v.shape) for k, v in drafter.state().items()}
     assert {k: shapes.get(k) for k in want} == want
     assert drafter.embed.weight.shape == (vocab, ht) and drafter.fc.weight.dtype == torch.bfloat16
-    served = drafter.cfg.to_hf()
+    served = drafter.config()
     assert served["target_hidden_size"] == ht and served["eagle_aux_hidden_state_layer_ids"] == cfg.target.aux_layer_ids
     assert served["head_dim"] == hd and served["draft_vocab_size"] == vd and served["vocab_size"] == vocab
-    assert Eagle3Config.from_hf(served) == drafter.cfg
+    assert type(drafter.cfg).from_hf(served) == drafter.cfg and served["torch_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("recipe", REAL, ids=lambda p: p.stem)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from draftopd.data.prompts import encode_chats, toy_prompts
+from draftopd.drafters import load_drafter
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer
+from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
-"""Batched speculative decoding in plain torch, with an EAGLE-3 drafter, that records every step.
+"""Batched speculative decoding in plain torch, with a drafter of any family, that records every step.
 
 One loop, for a batch of prompts of any lengths:
 
 1. the target prefills the prompts and emits the first token;
-2. the drafter reads the newly committed context rows (fused target states paired
-   with the next token) and chains K drafts, feeding its own state forward;
+2. the drafter's proposer (drafters/base.py) reads what the target committed and
+   proposes K drafts with their probabilities;
 3. the target scores [last token, d_1..d_K] in one pass; the verification rule
    keeps a prefix and adds the correction or bonus token; the step is recorded;
-4. rejected slots are masked out of both key/value caches, finished rows leave the
-   batch, and the loop goes on.
+4. rejected slots are masked out of the target's key/value cache, the proposer
+   commits the emitted tokens, finished rows leave the batch, and the loop goes on.
 
 Rows of a batch advance by different amounts, so both caches are slot arrays with
 a per-row validity mask and explicit position ids: a rejected draft's slot stays
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from draftopd.drafters.base import Drafter
 from draftopd.engine.verify import greedy_verify, rejection_verify, sample
 from draftopd.messages import Trajectory, VerificationStep
-from draftopd.models.eagle3 import Eagle3Drafter
-from draftopd.models.layers import at_least_fp32
+from draftopd.models.layers import at_least_fp32, attend_mask
 from draftopd.models.target import TargetModel
 
 
@@ -40,62 +40,21 @@ class SamplingConfig:
     seed: int = 0
 
 
-def _attend_mask(past_valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
-    """[B, T, S + T] boolean: valid past slots, causal within the T new rows, and always the row itself."""
-    t = new_valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=new_valid.device).tril()
-    eye = torch.eye(t, dtype=torch.bool, device=new_valid.device)
-    new = (causal[None] & new_valid[:, None, :]) | eye[None]
-    return torch.cat([past_valid[:, None, :].expand(-1, t, -1), new], dim=-1)
-
-
-class _DrafterCache:
-    """Keys/values of the drafter's context rows with a validity mask; chain rows never enter it."""
-
-    def __init__(self):
-        self.k = self.v = None
-        self.valid: torch.Tensor | None = None
-
-    def past(self, batch: int, device) -> tuple:
-        if self.k is None:
-            return None, None, torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        return self.k, self.v, self.valid
-
-    def append(self, k, v, valid):
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
-
-    def select(self, rows: torch.Tensor):
-        if self.k is not None:
-            self.k, self.v, self.valid = self.k[rows], self.v[rows], self.valid[rows]
-
-
-@dataclass
-class _Context:
-    """Drafter rows committed by the last verification, right-aligned: [B, m] each (state [B, m, H])."""
-
-    state: torch.Tensor
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-
-
 class SpeculativeEngine:
     """Decodes with `target`, drafting with `drafter` when one is given. Not thread-safe."""
 
-    def __init__(self, target: TargetModel, drafter: Eagle3Drafter | None, eos_token_ids: list[int]):
+    def __init__(self, target: TargetModel, drafter: Drafter | None, eos_token_ids: list[int]):
         self.target = target
         self.drafter = drafter.eval() if drafter is not None else None
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         if drafter is not None:
-            if drafter.cfg.vocab_size != target.vocab_size:
+            if drafter.vocab_size != target.vocab_size:
                 raise ValueError(
-                    f"drafter vocabulary ({drafter.cfg.vocab_size}) does not match the target's ({target.vocab_size})"
+                    f"drafter vocabulary ({drafter.vocab_size}) does not match the target's ({target.vocab_size})"
                 )
-            if drafter.cfg.aux_layer_ids and drafter.cfg.aux_layer_ids != target.aux_layer_ids:
+            if drafter.aux_layer_ids and drafter.aux_layer_ids != target.aux_layer_ids:
                 raise ValueError(
-                    f"drafter reads target layers {drafter.cfg.aux_layer_ids}, target captures {target.aux_layer_ids}"
+                    f"drafter reads target layers {drafter.aux_layer_ids}, target captures {target.aux_layer_ids}"
                 )
 
     @torch.no_grad()
@@ -129,7 +88,7 @@ class _Run:
         self.e, self.cfg, self.k, self.gen, self.trajs = engine, cfg, k, gen, trajs
         self.active = torch.arange(len(trajs))  # trajectory index of each batch row
         self.tcache = engine.target.new_cache()
-        self.dcache = _DrafterCache()
+        self.proposer = engine.drafter.proposer() if engine.drafter is not None else None
 
     # -- helpers -----------------------------------------------------------
 
@@ -141,8 +100,9 @@ class _Run:
         return sample(probs, self.gen), probs
 
     def _target(self, ids, positions, new_valid, past_valid):
-        mask = _attend_mask(past_valid, new_valid)[:, None]
-        return self.e.target.forward(ids, positions, mask, self.tcache, want_aux=self.e.drafter is not None)
+        mask = attend_mask(past_valid, new_valid)[:, None]
+        want_aux = self.e.drafter is not None and self.e.drafter.needs == "aux"
+        return self.e.target.forward(ids, positions, mask, self.tcache, want_aux=want_aux)
 
     # -- phases ------------------------------------------------------------
 
@@ -162,48 +122,16 @@ class _Run:
         self.next_pos = valid.sum(1)  # position of the pending token
         for i, tok in enumerate(first.tolist()):
             self.trajs[i].output_ids.append(tok)
-        if self.e.drafter is not None:
-            tokens = torch.cat([ids[:, 1:], first[:, None]], dim=1)
-            self.ctx = _Context(self.e.drafter.fuse(out.aux_hidden), tokens, positions, valid)
+        if self.proposer is not None:
+            self.proposer.begin(ids, positions, valid, first, out)
         self._retire(self._finished_rows(first[:, None], torch.ones(len(prompts), dtype=torch.long)))
-
-    def _draft(self):
-        """K drafts per row: target ids [B, K], drafter probs over the target vocab [B, K, V] or None, log-probs."""
-        d, ctx, cache = self.e.drafter, self.ctx, self.dcache
-        b = ctx.tokens.shape[0]
-        pk, pv, pvalid = cache.past(b, ctx.tokens.device)
-        out = d.step(ctx.tokens, ctx.state, ctx.positions, pk, pv, _attend_mask(pvalid, ctx.valid))
-        cache.append(out.keys, out.values, ctx.valid)
-        d2t = d.draft_to_target_ids()
-        chain_k, chain_v = [], []  # keys of the chain rows d_1..d_i, which never enter the cache
-        tokens, logps, probs = [], [], []
-        pos = ctx.positions[:, -1:]
-        for i in range(self.k):
-            logits = out.logits[:, -1]
-            choice, p = self._pick(logits)
-            tokens.append(d2t[choice])
-            logps.append(
-                torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None]).squeeze(1)
-            )
-            if p is not None:
-                full = torch.zeros(b, self.e.target.vocab_size, dtype=p.dtype)
-                probs.append(full.index_copy_(1, d2t, p))
-            if i == self.k - 1:
-                break
-            if i:
-                chain_k.append(out.keys)
-                chain_v.append(out.values)
-            keys = torch.cat([cache.k, *chain_k], dim=2)
-            vals = torch.cat([cache.v, *chain_v], dim=2)
-            valid = torch.cat([cache.valid, torch.ones(b, len(chain_k), dtype=torch.bool)], dim=1)
-            mask = _attend_mask(valid, torch.ones(b, 1, dtype=torch.bool))
-            out = d.step(tokens[-1][:, None], out.state[:, -1:], pos + i + 1, keys, vals, mask)
-        q = torch.stack(probs, 1) if probs else None
-        return torch.stack(tokens, 1), q, torch.stack(logps, 1)
 
     def step(self):
         b, k = self.active.numel(), self.k
-        drafts, q, draft_logps = self._draft() if k else (torch.zeros(b, 0, dtype=torch.long), None, None)
+        if k:
+            drafts, q, draft_logps = self.proposer.propose(k, self._pick)
+        else:
+            drafts, q, draft_logps = torch.zeros(b, 0, dtype=torch.long), None, None
         ids = torch.cat([self.pending[:, None], drafts], dim=1)
         positions = self.next_pos[:, None] + torch.arange(k + 1)
         out = self._target(ids, positions, torch.ones(b, k + 1, dtype=torch.bool), self.tvalid)
@@ -224,22 +152,11 @@ class _Run:
         if trim:
             self.tcache.crop(-trim)
             self.tvalid = self.tvalid[:, :-trim]
-        if self.e.drafter is not None:
-            self._next_context(out.aux_hidden, emitted, num_emitted, positions)
+        if self.proposer is not None:
+            self.proposer.commit(out, emitted, num_emitted, positions)
         self.pending = nxt
         self.next_pos = self.next_pos + num_emitted
         self._retire(self._finished_rows(emitted, num_emitted))
-
-    def _next_context(self, aux, emitted, num_emitted, positions):
-        """Right-align the (target state, next token) rows of each row's committed prefix."""
-        m = int(num_emitted.max())
-        b = emitted.shape[0]
-        shift = m - num_emitted  # left padding per row
-        src = (torch.arange(m)[None] - shift[:, None]).clamp_min(0)  # [B, m] index into the verify block
-        valid = torch.arange(m)[None] >= shift[:, None]
-        rows = torch.arange(b)[:, None]
-        fused = self.e.drafter.fuse(aux[rows, src])
-        self.ctx = _Context(fused, emitted[rows, src], positions[rows, src], valid)
 
     def _record(self, drafts, draft_logps, target_logits, accepted, emitted, num_emitted):
         """Append each row's new tokens, and its VerificationStep when it drafted."""
@@ -292,7 +209,5 @@ class _Run:
         self.tcache.batch_select_indices(keep)
         self.tvalid = self.tvalid[keep]
         self.pending, self.next_pos = self.pending[keep], self.next_pos[keep]
-        if self.e.drafter is not None:
-            self.dcache.select(keep)
-            c = self.ctx
-            self.ctx = _Context(c.state[keep], c.tokens[keep], c.positions[keep], c.valid[keep])
+        if self.proposer is not None:
+            self.proposer.select(keep)

@@ -1,4 +1,4 @@
-"""Small Llama building blocks shared by the drafters: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Small Llama building blocks shared by the drafters: RMSNorm, rotary embedding, SwiGLU MLP, cache masks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from torch import nn
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     """float32 for half types, the dtype itself otherwise (float64 tests stay float64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def attend_mask(past_valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+    """[B, T, S + T] boolean: valid past slots, causal within the T new rows, and always the row itself."""
+    t = new_valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=new_valid.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=new_valid.device)
+    new = (causal[None] & new_valid[:, None, :]) | eye[None]
+    return torch.cat([past_valid[:, None, :].expand(-1, t, -1), new], dim=-1)
 
 
 class RMSNorm(nn.Module):

@@ -67,6 +67,13 @@ class TargetModel:
         return cls(model, aux_layer_ids)
 
     @property
+    def rope_theta(self) -> float:
+        """RoPE base (transformers 5 keeps it in `rope_parameters`)."""
+        c = self.model.config
+        params = getattr(c, "rope_parameters", None) or {}
+        return float(params.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 

@@ -12,7 +12,6 @@ import sys
 from tqdm import tqdm
 
 from draftopd.config import Config
-from draftopd.opd.export import save_drafter
 from draftopd.opd.session import DriverState, Session, TrainingError, latest_checkpoint, start_ray
 from draftopd.rundir import RunDir
 from draftopd.tracking import Tracker, acceptance_curve_plot
@@ -22,8 +21,7 @@ def sft_phase(s: Session) -> None:
     # target responses feed SFT and the draft vocabulary; a recipe that starts from a drafter and skips SFT needs none
     needed = s.cfg.sft.epochs > 0 or not s.cfg.drafter.init
     examples = s.target_responses() if needed else []
-    s.state.drafter_config, init_state = s.initial_drafter(examples)
-    s.place_learners(s.state.drafter_config, init_state)
+    s.place_learners_for_start(examples)
     s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_start")
     cfg = s.cfg.sft
     total = cfg.epochs * max(1, len(examples) // cfg.batch_size)
@@ -95,7 +93,7 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
             s.checkpoint()
         opd_phase(s)
         final = run.checkpoint_dir("final")
-        save_drafter(s.drafter_weights(), state.drafter_config, final)
+        s.save_drafter(final)
         tracker.log_artifact(final, "drafter")
         tracker.end("FINISHED")
     except TrainingError as exc:

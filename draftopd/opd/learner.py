@@ -3,8 +3,12 @@
 A plain class: the Ray actor in opd/actors.py is a thin wrapper, and a test can
 build one directly. It holds a frozen target (for aux states and teacher
 distributions) and the drafter inside a DeepSpeed engine, runs SFT (TTT) steps
-and Draft-OPD replay steps on the shard of a batch it is given, and hands out
-the drafter weights for the rollout workers.
+and Draft-OPD replay steps on the shard of a batch it is given, and owns the
+drafter's weights: every rank builds the same initial drafter (from a checkpoint
+directory, or fresh from the draft vocabulary and the seed; DeepSpeed also
+broadcasts rank 0's parameters), rank 0 writes every checkpoint and the final
+drafter, and hands out the weights for the rollout workers. The weights never
+pass through the driver.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftopd.config import DrafterConfig
 from draftopd.messages import ErrorState
 
 
@@ -26,8 +31,9 @@ class LearnerSpec:
     target_path: str
     aux_layer_ids: list[int]
     target_dtype: str
-    drafter_config: dict  # Eagle3Config.to_hf()
-    drafter_state: dict  # name -> numpy array (checkpoint_state)
+    drafter: DrafterConfig  # the recipe's drafter section (family, shape)
+    init_path: str = ""  # start from this drafter directory; empty: a fresh drafter over `draft_vocab`
+    draft_vocab: list[int] = dataclasses.field(default_factory=list)  # sorted target ids of a fresh drafter
     zero_stage: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -125,17 +131,14 @@ class DraftLearner:
         if master is not None:
             self.master = tuple(master)
         from draftopd.loading import load_target
-        from draftopd.models.eagle3 import Eagle3Drafter
 
         torch.set_num_threads(self.spec.num_threads)
-        torch.manual_seed(self.spec.seed)
+        torch.manual_seed(self.spec.seed)  # every rank draws the same fresh drafter
         self.device = device = learner_device()
         _init_distributed(self.rank, self.world_size, *self.master, "nccl" if device.type == "cuda" else "gloo")
         self.target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
         self.target.model.to(device)
-        embed = self.target.embed_tokens().weight
-        drafter = Eagle3Drafter.from_state(self.spec.drafter_config, self.spec.drafter_state, embed)
-        self.drafter = drafter = drafter.to(device)
+        self.drafter = drafter = self._initial_drafter().to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
@@ -177,8 +180,20 @@ class DraftLearner:
         loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
         return self._apply(loss, metrics, lr)
 
+    def _initial_drafter(self):
+        from draftopd.drafters import load_drafter, new_drafter
+
+        if self.spec.init_path:
+            return load_drafter(self.spec.init_path, self.target, self.spec.drafter.kind)
+        return new_drafter(self.spec.drafter, self.target, torch.tensor(self.spec.draft_vocab))
+
+    def drafter_config(self) -> dict:
+        """The drafter's config.json: what the driver names in a WeightUpdate (shape, not weights)."""
+        return self.engine.module.config()
+
     def weights(self) -> dict | None:
-        """Drafter weights as numpy copies (never views into DeepSpeed's flat buffers) on rank 0, None elsewhere.
+        """Drafter weights as tensor copies on the CPU (never views into DeepSpeed's flat buffers, which would
+        drag the whole buffer along), in their own dtype, on rank 0; None elsewhere.
 
         Under ZeRO-3 the parameters are gathered first, which every rank must join: call all ranks.
         """
@@ -186,7 +201,18 @@ class DraftLearner:
 
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
-            return self.engine.module.numpy_state() if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.engine.module.state().items()}
+
+    def save_drafter(self, path: str) -> str | None:
+        """Rank 0 writes the drafter directory (all ranks are called: ZeRO-3 gathers collectively)."""
+        from draftopd.drafters import write_checkpoint
+
+        state = self.weights()
+        if state is None:
+            return None
+        return str(write_checkpoint(self.drafter_config(), state, path))
 
     # -- the sending end of a collective weight sync (opd/weight_sync.py) --------------------------
 

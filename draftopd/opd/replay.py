@@ -3,8 +3,8 @@
 For a step whose first draft sits at absolute position P, the drafter's last
 context row is t = P - 2 (target state at P - 2 paired with the anchor token at
 P - 1); chain depth d predicts draft d + 1 and, for d >= 1, reads the drafter's
-own draft d as input. `Eagle3Drafter.ttt_forward` with those tokens at row t
-therefore recomputes exactly the chain of the rollout (the tests check that the
+own draft d as input. The drafter's `score` (drafters/base.py) with those tokens
+at row t therefore recomputes exactly the chain of the rollout (the tests check that the
 replayed log-probs equal the recorded ones when the weights are the same).
 
 Two streams per step with `a` accepted drafts out of K:
@@ -134,10 +134,9 @@ def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
     """
     n = batch.input_ids.shape[1]
     out = target.forward(batch.input_ids, torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids))
-    aux = out.aux_hidden.to(drafter.embed.weight.dtype)
     depth = batch.depth_tokens.shape[1]
-    logits = (forward or drafter)(batch.input_ids, aux, batch.valid, depth, batch.depth_tokens)
-    return out.logits, torch.stack(logits, 1)
+    logits = (forward or drafter)(batch.input_ids, drafter.features(out), batch.valid, depth, batch.depth_tokens)
+    return out.logits, logits
 
 
 def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_index, d: int, span: int):

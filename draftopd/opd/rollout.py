@@ -11,7 +11,6 @@ store) or refuses the call for the driver to publish again (collective sync).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
@@ -50,36 +49,21 @@ class RolloutWorker:
         torch.set_num_threads(self.num_threads)
         self.target = load_target(self.target_path, self.aux_layer_ids, self.dtype)
 
-    def init_drafter(self, drafter_cfg, draft_to_target: list[int]) -> tuple[dict, dict]:
-        """A fresh drafter over the given draft vocabulary: (config.json dict, weights as numpy)."""
-        from draftopd.loading import new_drafter
-
-        self.setup()
-        d = new_drafter(drafter_cfg, self.target, torch.tensor(draft_to_target))
-        return d.cfg.to_hf(), d.numpy_state()
-
-    def load_drafter_dir(self, path: str) -> tuple[dict, dict]:
-        """An existing checkpoint as (config dict, numpy weights), checked against the target."""
-        from draftopd.loading import load_drafter
-
-        self.setup()
-        d = load_drafter(path, self.target)
-        return d.cfg.to_hf(), d.numpy_state()
-
-    def load_weights(self, drafter_config: dict, state: dict[str, np.ndarray], version: int) -> int:
+    def load_weights(self, drafter_config: dict, state: dict[str, torch.Tensor], version: int) -> int:
         """Switch to the given drafter weights (between requests); returns the version now in use."""
         if version == self.policy_version and self._has_drafter():
             return version
         if self.backend == "vllm":
             self.policy_version = self._vllm().set_drafter(drafter_config, state, version)
             return self.policy_version
-        from draftopd.models.eagle3 import Eagle3Drafter, state_to_tensors
+        from draftopd.drafters import detect_kind, family
 
         self.setup()
-        if self.drafter is None:
-            self.drafter = Eagle3Drafter.from_state(drafter_config, state, self.target.embed_tokens().weight)
+        if self.drafter is None or self.drafter.config() != drafter_config:
+            cls = family(detect_kind(drafter_config))
+            self.drafter = cls.from_state(drafter_config, state, self.target)
         else:
-            self.drafter.load_state_dict(state_to_tensors(state), strict=False)
+            self.drafter.load_state_dict(state, strict=False)
         self.drafter.eval()
         self.policy_version = version
         return version
@@ -116,9 +100,10 @@ class RolloutWorker:
         return self.load_weights(update.drafter_config, state, update.policy_version)
 
     def weights(self) -> dict | None:
+        """The drafter weights this worker decodes with (tensors), None before the first publish."""
         if self.backend == "vllm":
             return self.vllm.state if self.vllm is not None else None
-        return self.drafter.numpy_state() if self.drafter is not None else None
+        return self.drafter.state() if self.drafter is not None else None
 
     def _has_drafter(self) -> bool:
         return self.vllm.state is not None if self.backend == "vllm" and self.vllm else self.drafter is not None

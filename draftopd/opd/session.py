@@ -82,11 +82,21 @@ def start_ray(cfg: Config) -> None:
     try:  # inside `ray job submit`, join the cluster that runs the job
         ray.init(address="auto")
     except (ConnectionError, RuntimeError):
-        ray.init(
-            num_cpus=cfg.ray.num_cpus or None,
-            object_store_memory=cfg.ray.object_store_memory_mb * 2**20,
-            include_dashboard=False,
-        )
+        # A Ray of the run's own listens on 127.0.0.1 alone. On Linux, Ray swaps a loopback node address for the
+        # machine's (its servers then listen on every interface) unless multi-node clusters are off, a switch it
+        # reads from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import: turned off here for this start only.
+        from ray._private import ray_constants
+
+        clusters, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        try:
+            ray.init(
+                num_cpus=cfg.ray.num_cpus or None,
+                object_store_memory=cfg.ray.object_store_memory_mb * 2**20,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+            )
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 class Session:
@@ -117,8 +127,8 @@ class Session:
         self.workers = rollout_actors(self.cfg, self.eos)
         self.buffer = buffer_actor(self.cfg)
 
-    def place_learners(self, drafter_config: dict, drafter_state) -> None:
-
+    def place_learners(self, init_path: str = "", draft_vocab: list[int] | None = None) -> None:
+        """The DeepSpeed ranks, each building the initial drafter itself (from `init_path`, else fresh)."""
         from draftopd.opd.actors import learner_actors
 
         c = self.cfg
@@ -126,8 +136,9 @@ class Session:
             c.target.path,
             c.target.aux_layer_ids,
             c.target.dtype,
-            drafter_config,
-            drafter_state,
+            c.drafter,
+            init_path,
+            list(draft_vocab or []),
             c.learner.zero_stage,
             c.sft.lr,
             c.sft.weight_decay,
@@ -139,6 +150,7 @@ class Session:
         master = (self._learners_get([self.learners[0].node_ip.remote()], "placement")[0], _free_port())
         micro = max(1, c.learner.batch_size)
         self._learners_get([learner.setup.remote(micro, master) for learner in self.learners], "setup")
+        self.state.drafter_config = self._learners_get([self.learners[0].drafter_config.remote()], "setup")[0]
 
     # -- the steps of the loop ---------------------------------------------------
 
@@ -189,14 +201,13 @@ class Session:
         trajs = [t for chunk in ray.get(refs) for t in chunk]
         return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
 
-    def initial_drafter(self, examples: list[SFTExample]) -> tuple[dict, dict]:
-        import ray
-
+    def place_learners_for_start(self, examples: list[SFTExample]) -> None:
+        """Learners with the recipe's starting drafter: `drafter.init`, or fresh over the responses' vocabulary."""
         if self.cfg.drafter.init:
-            return ray.get(self.workers[0].load_drafter_dir.remote(self.cfg.drafter.init))
+            return self.place_learners(init_path=self.cfg.drafter.init)
         responses = [e.ids[e.prompt_len :] for e in examples]
         ids = build_draft_vocab(responses, self.cfg.drafter.draft_vocab_size, len(self.tokenizer), self.eos)
-        return ray.get(self.workers[0].init_drafter.remote(self.cfg.drafter, ids.tolist()))
+        return self.place_learners(draft_vocab=ids.tolist())
 
     def _learner_call(self, method: str, shards: list, *args) -> dict:
         """One synchronous step on every rank; a dead learner ends the job with a clear message."""
@@ -273,9 +284,10 @@ class Session:
             raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
         return time.perf_counter() - t0
 
-    def drafter_weights(self) -> dict:
-        """Rank 0's drafter as numpy arrays (every rank is called: ZeRO-3 gathers collectively)."""
-        return self._learners_get([learner.weights.remote() for learner in self.learners], "weights")[0]
+    def save_drafter(self, path: Path) -> Path:
+        """Learner rank 0 writes the drafter directory (every rank is called: ZeRO-3 gathers collectively)."""
+        self._learners_get([learner.save_drafter.remote(str(path)) for learner in self.learners], "saving the drafter")
+        return path
 
     def _learners_get(self, refs: list, what: str) -> list:
         import ray
@@ -321,13 +333,11 @@ class Session:
         """
         import ray
 
-        from draftopd.opd.export import save_drafter
-
         root = self.run.path / "checkpoints"
         ckpt = root / f"v{self.state.policy_version:06d}-r{self.state.round:04d}"
         ckpt.mkdir(parents=True, exist_ok=True)
         self._learners_get([lr.save_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "checkpoint")
-        save_drafter(self.drafter_weights(), self.state.drafter_config, ckpt / "drafter")
+        self.save_drafter(ckpt / "drafter")
         _atomic_write(ckpt / "buffer.json", json.dumps(ray.get(self.buffer.state_dict.remote())))
         _atomic_write(ckpt / "driver_state.json", json.dumps(self.state.__dict__))
         _atomic_write(root / "latest.json", json.dumps({"dir": ckpt.name}))
@@ -341,8 +351,7 @@ class Session:
         ckpt = latest_checkpoint(self.run.path)
         saved = json.loads((ckpt / "driver_state.json").read_text())
         self.state.__dict__.update({k: v for k, v in saved.items() if k != "mlflow_run_id"})
-        config, weights = ray.get(self.workers[0].load_drafter_dir.remote(str(ckpt / "drafter")))
-        self.place_learners(config, weights)
+        self.place_learners(init_path=str(ckpt / "drafter"))
         self._learners_get([lr.load_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "restore")
         ray.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
         self.sync()

@@ -2,8 +2,8 @@
 
 Two transports behind one interface (the recipe's `sync.backend` picks one):
 
-* `ObjectStoreSync` (`object_store`, the CPU default): rank 0 puts numpy copies
-  of the weights in Ray's object store and every generate call carries the
+* `ObjectStoreSync` (`object_store`, the CPU default): rank 0 puts tensor copies
+  of the weights (in their own dtype) in Ray's object store and every generate call carries the
   reference, so a worker that was restarted picks the weights up on its first
   call. Works on any cluster; costs a copy per publish.
 * `CollectiveSync` (`nccl` on GPUs, `gloo` as its CPU twin): a process group of
@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import itertools
 
-import numpy as np
 import torch
 
 from draftopd.messages import WeightUpdate
@@ -49,26 +48,27 @@ def join_group(backend: str, host: str, port: int, rank: int, world_size: int, t
     raise ValueError(f"unknown collective backend {backend!r} (gloo or nccl)")
 
 
-def manifest(state: dict[str, np.ndarray]) -> list[tuple[str, tuple, str]]:
-    """(name, shape, dtype) of every tensor in broadcast order: what a receiver allocates."""
-    return [(k, tuple(state[k].shape), str(state[k].dtype)) for k in sorted(state)]
+def manifest(state: dict[str, torch.Tensor]) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype name) of every tensor in broadcast order: what a receiver allocates."""
+    return [(k, tuple(state[k].shape), str(state[k].dtype).removeprefix("torch.")) for k in sorted(state)]
 
 
 def broadcast_state(group, backend: str, items: list[tuple[str, tuple, str]], state: dict | None) -> dict:
-    """Broadcast from group rank 0 (which passes `state`) to the others (which pass None); returns numpy arrays.
+    """Broadcast from group rank 0 (which passes `state`) to the others (which pass None); returns CPU tensors.
 
     bool buffers travel as uint8 (neither gloo nor NCCL reduces bools); NCCL needs CUDA tensors.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     out = {}
-    for name, shape, dtype in items:
-        wire = np.uint8 if dtype == "bool" else np.dtype(dtype)
+    for name, shape, dtype_name in items:
+        dtype = getattr(torch, dtype_name)
+        wire = torch.uint8 if dtype == torch.bool else dtype
         if state is not None:
-            t = torch.from_numpy(np.ascontiguousarray(state[name]).astype(wire, copy=False)).to(device)
+            t = state[name].to(device=device, dtype=wire).contiguous()
         else:
-            t = torch.empty(shape, dtype=torch.from_numpy(np.zeros(0, dtype=wire)).dtype, device=device)
+            t = torch.empty(shape, dtype=wire, device=device)
         group.broadcast(t, 0).wait()
-        out[name] = t.cpu().numpy().astype(dtype, copy=False)
+        out[name] = t.to("cpu", dtype=dtype)
     return out
 
 

@@ -14,9 +14,10 @@ from tqdm import tqdm
 from draftopd.config import Config
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
+from draftopd.drafters import load_drafter, new_drafter, save_drafter
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.evaluate import evaluate, format_table
-from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer, new_drafter
+from draftopd.loading import eos_ids, load_target, load_tokenizer
 from draftopd.messages import Trajectory
 from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, SFTTrainer
@@ -64,7 +65,7 @@ def make_responses(target, eos, prompt_ids, cfg: Config, cache_path) -> list[Tra
 
 def build_drafter(cfg: Config, target, trajs: list[Trajectory], eos: list[int]):
     if cfg.drafter.init:
-        return load_drafter(cfg.drafter.init, target)
+        return load_drafter(cfg.drafter.init, target, cfg.drafter.kind)
     responses = [t.output_ids for t in trajs]
     ids = build_draft_vocab(responses, cfg.drafter.draft_vocab_size, target.vocab_size, always=eos)
     print(f"draft vocabulary: {len(ids)} tokens, covering {coverage(responses, ids):.1%} of response tokens")
@@ -124,9 +125,9 @@ def run_sft(cfg: Config, argv: list[str] | None = None) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.2f}")
             if cfg.sft.checkpoint_every and m["step"] % cfg.sft.checkpoint_every == 0:
-                drafter.save(run.checkpoint_dir(f"step-{m['step']}"))
+                save_drafter(drafter, run.checkpoint_dir(f"step-{m['step']}"))
     final = run.checkpoint_dir("final")
-    drafter.save(final)
+    save_drafter(drafter, final)
     print(f"drafter saved to {final}")
     reports = evaluate_drafter(cfg, target, drafter.eval(), tokenizer, eos, run)
     print(format_table(reports))

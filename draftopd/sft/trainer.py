@@ -1,9 +1,10 @@
-"""SFT of an EAGLE-3 drafter with training-time test (TTT) on target-written responses.
+"""SFT of a drafter on target-written responses, on the shared (row, depth) grid of drafters/base.py.
 
-The loss at depth d compares the drafter's chain step d+1, computed from its own
-fed-back states (`Eagle3Drafter.ttt_forward`), with the target's distribution at
-the same place, restricted to the draft vocabulary: forward KL, weighted
-`depth_decay ** d`, averaged over response positions. The trainer is a plain
+The loss at depth d compares the drafter's prediction d + 1 tokens past its
+context (for EAGLE-3 the chain step computed from its own fed-back states:
+training-time test) with the target's distribution at the same place,
+restricted to the draft vocabulary: forward KL, weighted `depth_decay ** d`,
+averaged over response positions. The trainer is a plain
 class (no Ray, no DeepSpeed) so tests and the Draft-OPD learner can drive it.
 """
 
@@ -58,11 +59,12 @@ def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float, forward=No
     positions = torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids)
     out = target.forward(batch.input_ids, positions)
     forward = forward or drafter
-    draft_logits = forward(batch.input_ids, out.aux_hidden.to(drafter.embed.weight.dtype), batch.valid, depth)
+    draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth)  # [B, D, n, Vd]
     d2t = drafter.draft_to_target_ids()
     total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     metrics = {}
-    for d, logits in enumerate(draft_logits):
+    for d in range(draft_logits.shape[1]):
+        logits = draft_logits[:, d]
         span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists
         if span <= 0:
             break

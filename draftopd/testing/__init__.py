@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from draftopd.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftopd.config import DrafterConfig
+from draftopd.drafters import new_drafter
 from draftopd.models.target import TargetModel
 
 
@@ -35,30 +36,22 @@ def tiny_target(
     return TargetModel(model.to(dtype))
 
 
-def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int = 1, **opts) -> Eagle3Drafter:
-    """A random EAGLE-3 drafter for `target`; with `draft_vocab` < vocab it covers the lowest ids plus EOS."""
+def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int = 1, kind: str = "eagle3", **opts):
+    """A random drafter of family `kind` for `target`; with `draft_vocab` < vocab it covers the lowest ids.
+
+    `opts` are `drafter` config fields (norm_output, fc_norm, head_dim, ...); heads are scaled up so that
+    draft distributions are peaked.
+    """
     torch.manual_seed(seed)
-    v = target.vocab_size
-    dv = draft_vocab or v
-    cfg = Eagle3Config(
-        hidden_size=target.hidden_size,
-        intermediate_size=2 * target.hidden_size,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=v,
-        draft_vocab_size=dv,
-        target_hidden_size=target.hidden_size,
-        aux_layer_ids=list(target.aux_layer_ids),
-        **opts,
-    )
-    ids = torch.arange(dv)
-    drafter = Eagle3Drafter(cfg, target.embed_tokens().weight, d2t=ids - ids)
+    h = target.hidden_size
+    cfg = DrafterConfig(kind=kind, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2, **opts)
+    drafter = new_drafter(cfg, target, torch.arange(draft_vocab or target.vocab_size))
     with torch.no_grad():
         drafter.lm_head.weight.mul_(4.0)
-    return drafter.to(target.dtype)
+    return drafter
 
 
-def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, seed: int = 0, **opts) -> Eagle3Drafter:
+def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, seed: int = 0, **opts):
     """A drafter trained briefly (seconds) on the tiny target's own samples, so that drafts get accepted."""
     from draftopd.config import SFTConfig
     from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine

@@ -58,14 +58,15 @@ class VllmRollout:
         e = self.engine
         if e is not None and e.has_drafter == with_drafter and (not with_drafter or e.num_draft_tokens == k):
             return e
-        from draftopd.vllm_backend.engine import VllmEngine, write_drafter
+        from draftopd.drafters import write_checkpoint
+        from draftopd.vllm_backend.engine import VllmEngine
 
         self._shutdown()
         drafter_dir = None
         if with_drafter:
             if self.state is None:
                 raise RuntimeError("a drafted rollout was asked for before any drafter weights arrived")
-            drafter_dir = write_drafter(self.config, self.state, self.workdir / f"drafter-v{self.version:06d}")
+            drafter_dir = write_checkpoint(self.config, self.state, self.workdir / f"drafter-v{self.version:06d}")
         o = self.options
         self.engine = VllmEngine(
             self.target_dir,

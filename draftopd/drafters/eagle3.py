@@ -18,15 +18,16 @@ The token embedding is the target's, frozen and never saved with the drafter.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, rope_cos_sin
+from draftopd.drafters.base import Pick
+from draftopd.drafters.eagle3_formats import FORMATS, export_drafter, read_config
+from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, attend_mask, rope_cos_sin
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -53,8 +54,8 @@ class Eagle3Config:
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def to_hf(self) -> dict:
-        """config.json as vLLM and SGLang read it for `method: eagle3`."""
+    def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
+        """config.json as vLLM and SGLang read it for `method: eagle3` (`torch_dtype`: the weights' dtype)."""
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
@@ -75,7 +76,7 @@ class Eagle3Config:
             "norm_output": self.norm_output,
             "fc_norm": self.fc_norm,
             "tie_word_embeddings": False,
-            "torch_dtype": "float32",
+            "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
     @classmethod
@@ -274,66 +275,201 @@ class Eagle3Drafter(nn.Module):
                 trace.append({"own_mass": own.detach(), "state_norm": state.norm(dim=-1).detach()})
         return outs
 
-    def forward(self, *args, **kwargs) -> list[torch.Tensor]:
-        """The training pass (`ttt_forward`), so that wrappers such as a DeepSpeed engine can call the module."""
-        return self.ttt_forward(*args, **kwargs)
+    # ---- the family interface (drafters/base.py) ------------------------------
 
-    # ---- checkpoints -------------------------------------------------------
+    kind: ClassVar[str] = "eagle3"
+    needs: ClassVar[str] = "aux"
 
-    def numpy_state(self) -> dict:
-        """`checkpoint_state` as numpy copies: what crosses process boundaries (never views of live buffers).
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
 
-        numpy has no bfloat16: those tensors travel as float32 (exact) and are cast back on load.
-        """
-        out = {}
-        for k, v in self.checkpoint_state().items():
-            v = v.detach().cpu()
-            out[k] = (v.float() if v.dtype == torch.bfloat16 else v.clone()).numpy()
-        return out
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.cfg.aux_layer_ids)
 
-    @classmethod
-    def from_state(cls, drafter_config: dict, state: dict, embed_weight: torch.Tensor) -> Eagle3Drafter:
-        """A drafter from a config.json dict and `numpy_state` arrays, bound to `embed_weight`."""
-        tensors = state_to_tensors(state)
-        drafter = cls(Eagle3Config.from_hf(drafter_config), embed_weight, d2t=tensors["d2t"])
-        drafter.load_state_dict(tensors, strict=False)
-        return drafter.to(embed_weight.dtype)
+    def proposer(self) -> Eagle3Proposer:
+        return Eagle3Proposer(self)
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Weights under the names vLLM's EAGLE-3 loader expects (no embedding)."""
+    def features(self, out) -> torch.Tensor:
+        return out.aux_hidden.to(self.embed.weight.dtype)
+
+    def score(self, input_ids, features, valid, depth: int, depth_tokens=None) -> torch.Tensor:
+        """TTT on the shared grid: [B, D, n, Vd] (row t, depth d predicts token t + 2 + d)."""
+        return torch.stack(self.ttt_forward(input_ids, features, valid, depth, depth_tokens), 1)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """`score`, so that wrappers such as a DeepSpeed engine can call the module."""
+        return self.score(*args, **kwargs)
+
+    def config(self) -> dict:
+        return self.cfg.to_hf(dtype=self.fc.weight.dtype)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Weights under the names vLLM's EAGLE-3 loader expects (no embedding: it is the target's)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
 
-    def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.checkpoint_state().items()}
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2) + "\n")
-
     @classmethod
-    def load(cls, path: str | Path, embed_weight: torch.Tensor) -> Eagle3Drafter:
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"drafter checkpoint {path} has no {name}")
-        from draftopd.models.formats import read_config
-
-        cfg = Eagle3Config.from_hf(read_config(path))  # either serving layout
-        tensors = load_file(str(path / "model.safetensors"))
-        model = cls(cfg, embed_weight, d2t=tensors.get("d2t"))
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Eagle3Drafter:
+        """A drafter from a config.json dict and `state()` tensors, bound to `target`'s embedding."""
+        cfg = Eagle3Config.from_hf(config)
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"built for a vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}")
+        if cfg.hidden_size != target.hidden_size or cfg.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"expects target hidden size {cfg.target_hidden_size} (own {cfg.hidden_size}), "
+                f"the target has {target.hidden_size}"
+            )
+        if cfg.aux_layer_ids and cfg.aux_layer_ids != target.aux_layer_ids:
+            raise ValueError(f"reads target layers {cfg.aux_layer_ids}, target set to {target.aux_layer_ids}")
+        embed = target.embed_tokens().weight
+        drafter = cls(cfg, embed, d2t=state.get("d2t"))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("embed.")]
         if missing or unexpected:
-            raise ValueError(f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        return model.to(embed_weight.dtype)
+            raise ValueError(f"EAGLE-3 weights: missing {missing}, unexpected {unexpected}")
+        return drafter.to(embed.dtype)
+
+    @staticmethod
+    def speculative_config(path, num_draft_tokens: int) -> dict:
+        return {"method": "eagle3", "model": str(path), "num_speculative_tokens": num_draft_tokens}
+
+    # ---- layouts and construction ------------------------------------------------
+
+    formats: ClassVar[tuple[str, ...]] = FORMATS
+
+    @staticmethod
+    def read_config(raw: dict) -> dict:
+        """config.json in the vllm or speculators layout -> the vllm layout (FormatError when unreadable)."""
+        return read_config(raw)
+
+    @staticmethod
+    def export(src, fmt: str, out, verifier: str = "", num_draft_tokens: int = 4):
+        return export_drafter(src, fmt, out, verifier, num_draft_tokens)
+
+    @classmethod
+    def new(cls, cfg, target, draft_to_target: torch.Tensor) -> Eagle3Drafter:
+        """A fresh drafter from the recipe's `drafter` section over the given draft vocabulary."""
+        hidden = cfg.hidden_size or target.hidden_size
+        if hidden != target.hidden_size:
+            raise ValueError("the EAGLE-3 drafter shares the target's embedding, so its hidden size must match")
+        tc = target.model.config
+        ecfg = Eagle3Config(
+            hidden_size=hidden,
+            intermediate_size=cfg.intermediate_size or 3 * hidden,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=len(draft_to_target),
+            target_hidden_size=target.hidden_size,
+            aux_layer_ids=list(target.aux_layer_ids),
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=target.rope_theta,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
+            norm_output=cfg.norm_output,
+            fc_norm=cfg.fc_norm,
+        )
+        d2t = draft_to_target - torch.arange(len(draft_to_target))
+        return cls(ecfg, target.embed_tokens().weight, d2t=d2t).to(target.dtype)
 
 
-def state_to_tensors(state: dict) -> dict[str, torch.Tensor]:
-    """numpy arrays (possibly read-only, from Ray's object store) -> writable tensors."""
-    import numpy as np
+class _DrafterCache:
+    """Keys/values of the drafter's context rows with a validity mask; chain rows never enter it."""
 
-    return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}
+    def __init__(self):
+        self.k = self.v = None
+        self.valid: torch.Tensor | None = None
+
+    def past(self, batch: int, device) -> tuple:
+        if self.k is None:
+            return None, None, torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        return self.k, self.v, self.valid
+
+    def append(self, k, v, valid):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
+
+    def select(self, rows: torch.Tensor):
+        if self.k is not None:
+            self.k, self.v, self.valid = self.k[rows], self.v[rows], self.valid[rows]
+
+
+@dataclass
+class _Context:
+    """Drafter rows committed by the last verification, right-aligned: [B, m] each (state [B, m, H])."""
+
+    state: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> _Context:
+        return _Context(self.state[rows], self.tokens[rows], self.positions[rows], self.valid[rows])
+
+
+class Eagle3Proposer:
+    """EAGLE-3 inference state of one decode call (drafters/base.py `Proposer`).
+
+    Each verification commits rows (fused target state at j, token j + 1) to the
+    drafter's cache; a chain then feeds the drafter's own state forward, its
+    rows kept out of the cache so that rejected drafts never reach it.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.d = drafter
+        self.cache = _DrafterCache()
+        self.ctx: _Context | None = None
+
+    def begin(self, ids, positions, valid, first, out) -> None:
+        tokens = torch.cat([ids[:, 1:], first[:, None]], dim=1)
+        self.ctx = _Context(self.d.fuse(out.aux_hidden), tokens, positions, valid)
+
+    def propose(self, k: int, pick: Pick):
+        d, ctx, cache = self.d, self.ctx, self.cache
+        b = ctx.tokens.shape[0]
+        pk, pv, pvalid = cache.past(b, ctx.tokens.device)
+        out = d.step(ctx.tokens, ctx.state, ctx.positions, pk, pv, attend_mask(pvalid, ctx.valid))
+        cache.append(out.keys, out.values, ctx.valid)
+        d2t = d.draft_to_target_ids()
+        chain_k, chain_v = [], []  # keys of the chain rows d_1..d_i, which never enter the cache
+        tokens, logps, probs = [], [], []
+        pos = ctx.positions[:, -1:]
+        for i in range(k):
+            logits = out.logits[:, -1]
+            choice, p = pick(logits)
+            tokens.append(d2t[choice])
+            logps.append(
+                torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None]).squeeze(1)
+            )
+            if p is not None:
+                full = torch.zeros(b, d.cfg.vocab_size, dtype=p.dtype)
+                probs.append(full.index_copy_(1, d2t, p))
+            if i == k - 1:
+                break
+            if i:
+                chain_k.append(out.keys)
+                chain_v.append(out.values)
+            keys = torch.cat([cache.k, *chain_k], dim=2)
+            vals = torch.cat([cache.v, *chain_v], dim=2)
+            valid = torch.cat([cache.valid, torch.ones(b, len(chain_k), dtype=torch.bool)], dim=1)
+            mask = attend_mask(valid, torch.ones(b, 1, dtype=torch.bool))
+            out = d.step(tokens[-1][:, None], out.state[:, -1:], pos + i + 1, keys, vals, mask)
+        q = torch.stack(probs, 1) if probs else None
+        return torch.stack(tokens, 1), q, torch.stack(logps, 1)
+
+    def commit(self, out, emitted, num_emitted, positions) -> None:
+        """Right-align the (target state, next token) rows of each row's committed prefix."""
+        m = int(num_emitted.max())
+        b = emitted.shape[0]
+        shift = m - num_emitted  # left padding per row
+        src = (torch.arange(m)[None] - shift[:, None]).clamp_min(0)  # [B, m] index into the verify block
+        valid = torch.arange(m)[None] >= shift[:, None]
+        rows = torch.arange(b)[:, None]
+        fused = self.d.fuse(out.aux_hidden[rows, src])
+        self.ctx = _Context(fused, emitted[rows, src], positions[rows, src], valid)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.select(keep)
+        self.ctx = self.ctx.select(keep)

@@ -31,21 +31,18 @@ class FormatError(ValueError):
     """A checkpoint layout this project cannot read or write, with the reason."""
 
 
-def read_config(path: str | Path) -> dict:
-    """The drafter's config in the `vllm` layout, whichever layout `path/config.json` is in."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+def read_config(raw: dict) -> dict:
+    """A drafter's config.json (either layout) in the `vllm` layout."""
     kind = raw.get("speculators_model_type")
     if kind is None:
         return raw
     if kind != "eagle3":
-        raise FormatError(f"{path}: a speculators '{kind}' checkpoint, not eagle3")
+        raise FormatError(f"a speculators '{kind}' checkpoint, not eagle3")
     if raw.get("norm_before_residual", True):
-        raise FormatError(
-            f"{path}: norm_before_residual=true drafters are not supported (norm after the residual only)"
-        )
+        raise FormatError("norm_before_residual=true drafters are not supported (norm after the residual only)")
     cfg = dict(raw.get("transformer_layer_config") or {})
     if not cfg:
-        raise FormatError(f"{path}: speculators config without transformer_layer_config")
+        raise FormatError("speculators config without transformer_layer_config")
     cfg.update({k: raw[k] for k in EAGLE3_FIELDS if k in raw})
     cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1)
     return cfg
@@ -74,7 +71,7 @@ def export_drafter(src: str | Path, fmt: str, out: str | Path, verifier: str = "
     if fmt not in FORMATS:
         raise FormatError(f"unknown format {fmt!r}: {', '.join(FORMATS)}")
     src, out = Path(src), Path(out)
-    cfg = read_config(src)
+    cfg = read_config(json.loads((src / "config.json").read_text()))
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
     if fmt == "speculators":

@@ -1,0 +1,115 @@
+"""Drafter families, chosen by `drafter.kind`, and the one reader and writer of a drafter directory.
+
+A drafter directory is `config.json` + `model.safetensors`, in a layout the
+family's serving engines read. `FAMILIES` is the literal list of families this
+project implements; `detect_kind` also recognises the published layouts of
+families it does not (yet), so that such a checkpoint is refused with one line
+naming both kinds instead of loading as something else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftopd.drafters.eagle3 import Eagle3Drafter
+from draftopd.loading import LoadError
+
+FAMILIES = {"eagle3": Eagle3Drafter}
+
+
+def detect_kind(config: dict) -> str:
+    """The drafter family of a config.json in any published layout ('' when it is none of them)."""
+    archs = config.get("architectures") or []
+    spec = config.get("speculators_model_type")
+    if spec:
+        return str(spec)
+    if "LlamaForCausalLMEagle3" in archs or "Eagle3Speculator" in archs:
+        return "eagle3"
+    if any("DFlash" in a for a in archs) or "dflash_config" in config:
+        return "dflash"
+    if "pard_token" in config:
+        return "pard"
+    if config.get("num_hidden_layers") == 1 and "draft_vocab_size" in config:
+        return "eagle3"  # EAGLE's original layout: a one-layer Llama config with a draft vocabulary
+    return ""
+
+
+def family(kind: str):
+    """The drafter class of `kind`; a one-line error naming the families there are otherwise."""
+    if kind not in FAMILIES:
+        raise LoadError(f"no drafter family '{kind}' (families: {', '.join(FAMILIES)})")
+    return FAMILIES[kind]
+
+
+def read_checkpoint(path: str | Path, kind: str = "") -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """(kind, config in the family's own layout, tensors) of a drafter directory; `kind` given: it must match."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise LoadError(f"drafter {path}: no config.json")
+    raw = json.loads((p / "config.json").read_text())
+    found = detect_kind(raw)
+    if not found:
+        raise LoadError(f"drafter {path}: config.json is no drafter layout draftopd knows")
+    if kind and found != kind:
+        raise LoadError(f"drafter {path} is a '{found}' checkpoint, not '{kind}' (drafter.kind)")
+    cls = family(found)
+    if not (p / "model.safetensors").is_file():
+        raise LoadError(f"drafter {path}: no model.safetensors")
+    try:
+        config = cls.read_config(raw)
+    except ValueError as exc:
+        raise LoadError(f"drafter {path}: {exc}") from None
+    return found, config, load_file(str(p / "model.safetensors"))
+
+
+def load_drafter(path: str | Path, target, kind: str = ""):
+    """The drafter in `path`, bound to `target` (whose embedding it may share); checks that the two fit."""
+    found, config, tensors = read_checkpoint(path, kind)
+    try:
+        return family(found).from_state(config, tensors, target)
+    except ValueError as exc:
+        raise LoadError(f"drafter {path}: {exc}") from None
+
+
+def write_checkpoint(config: dict, state: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """The one writer of a drafter directory: config.json and model.safetensors, tensors as they are."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def save_drafter(drafter, path: str | Path) -> Path:
+    return write_checkpoint(drafter.config(), drafter.state(), path)
+
+
+def new_drafter(cfg, target, draft_to_target: torch.Tensor):
+    """A freshly initialised drafter of family `cfg.kind` for `target` over a draft vocabulary (sorted target ids)."""
+    try:
+        return family(cfg.kind).new(cfg, target, draft_to_target)
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def export_drafter(src: str | Path, fmt: str, out: str | Path, verifier: str = "", num_draft_tokens: int = 4) -> Path:
+    """`src` written to `out` in the serving layout `fmt` of its family (the weights copied byte for byte)."""
+    found, _, _ = read_checkpoint(src)
+    try:
+        return family(found).export(src, fmt, out, verifier, num_draft_tokens)
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def export_formats(kind: str) -> tuple[str, ...]:
+    return family(kind).formats

@@ -1,0 +1,75 @@
+"""What every drafter family provides to the engine, the trainers, the exporters and the serving backends.
+
+A family is one module in `draftopd/drafters/` with a class that satisfies
+`Drafter` and a `Proposer` it hands the engine for each decode call. The engine,
+verification, step records, divergences, replay buffer and messages never look
+inside a family: they speak to these two protocols only.
+
+The training grid is shared by SFT and Draft-OPD replay: `score` returns
+logits [B, D, n, Vd] where row t (0..n-1, n = sequence length - 1) and depth d
+hold the drafter's prediction of token t + 2 + d when its context ends at token
+t + 1 and its own drafts sit at t + 2 .. t + 1 + d. `depth_tokens[:, d, t]`
+(d >= 1) names the draft fed at depth d (default: teacher-forced text), so
+replaying a recorded step's drafts at its row reproduces the rollout exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+# What a family reads from the target: `aux` = hidden states at `aux_layer_ids` (TargetOutput.aux_hidden).
+TARGET_NEEDS = ("aux", "none")
+
+Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+"""The engine's token choice from [B, Vd] logits: (choice [B], probabilities [B, Vd] or None when greedy)."""
+
+
+class Proposer(Protocol):
+    """The drafter's inference state for one batch; rows follow the engine's shrinking batch."""
+
+    def begin(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, first: torch.Tensor, out) -> None:
+        """After the target's prefill of left-padded `ids` [B, L] (`out`: TargetOutput), with `first` [B] emitted."""
+
+    def propose(self, k: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """K drafts: target ids [B, K], probabilities over the target vocabulary [B, K, V] or None, log-probs [B, K]."""
+
+    def commit(self, out, emitted: torch.Tensor, num_emitted: torch.Tensor, positions: torch.Tensor) -> None:
+        """After verification of [pending, d_1..d_K] at `positions` [B, K+1]: the first `num_emitted` are committed."""
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only batch rows `keep` (finished rows retire)."""
+
+
+class Drafter(Protocol):
+    """A drafter family's model. Checkpoints are `config()` (config.json) + `state()` (model.safetensors)."""
+
+    kind: ClassVar[str]
+    needs: ClassVar[str]  # one of TARGET_NEEDS
+    vocab_size: int
+    aux_layer_ids: list[int]
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        """[Vd] target id of each draft-vocabulary id."""
+
+    def proposer(self) -> Proposer: ...
+
+    def features(self, out) -> torch.Tensor | None:
+        """What `score` reads from a TargetOutput of the whole sequence."""
+
+    def score(self, input_ids, features, valid, depth: int, depth_tokens=None) -> torch.Tensor:
+        """Logits [B, D, n, Vd] on the shared (row, depth) grid (module docstring)."""
+
+    def config(self) -> dict[str, Any]: ...
+
+    def state(self) -> dict[str, torch.Tensor]: ...
+
+    @classmethod
+    def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Drafter: ...
+
+    @staticmethod
+    def speculative_config(path: str | Path, num_draft_tokens: int) -> dict:
+        """vLLM's `speculative_config` serving an exported directory of this family."""

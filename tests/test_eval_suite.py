@@ -4,9 +4,11 @@ import gzip
 import json
 
 import pytest
+from test_data_io import write_hf_cache
 
 from draftopd.cli import main
 from draftopd.data.eval_sets import EvalSetError, load_set, locate
+from draftopd.data.io import CachedSplit
 from draftopd.loading import ASSETS
 
 TOY_DRAFTER = str(ASSETS / "toy-eagle3")
@@ -42,16 +44,14 @@ def test_published_layouts_read(tmp_path, monkeypatch):
     pq.write_table(pa.table({"article": ["Rain fell."], "highlights": ["rain"], "id": ["x"]}), cnn)
     assert "Rain fell." in load_set("cnn_dm", str(tmp_path / "cnn")).conversations[0][0][0]["content"]
 
-    # a Hugging Face datasets cache: Arrow stream files under the repository's folder
+    # a Hugging Face datasets cache, as the `datasets` library writes it: read by repository, config and split
     cache = tmp_path / "hf"
-    arrow = cache / "google-research-datasets___mbpp" / "full" / "0.0.0" / "abc" / "mbpp-test.arrow"
-    arrow.parent.mkdir(parents=True)
-    table = pa.table({"task_id": [1, 2], "text": ["Write a function to add.", "Write a function to sort."]})
-    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
+    mbpp = [{"task_id": 1, "text": "Write a function to add."}, {"task_id": 2, "text": "Write a function to sort."}]
+    write_hf_cache(cache, "google-research-datasets/mbpp", "full", {"train": mbpp[:1], "test": mbpp})
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    assert locate("mbpp") == arrow and len(load_set("mbpp", limit=1).conversations) == 1
-    assert locate("gsm8k") is None
+    assert locate("mbpp") == [CachedSplit("google-research-datasets/mbpp", "full", "test", cache)]
+    assert load_set("mbpp", limit=1).conversations == [[[{"role": "user", "content": "Write a function to add."}]]]
+    assert locate("gsm8k") == []
 
     with pytest.raises(EvalSetError, match="not given .* and not in the datasets cache"):
         load_set("math500")

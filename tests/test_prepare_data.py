@@ -7,6 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_data_io import write_hf_cache
 
 from draftopd.data.pool import pool_prompts, pool_trajectories, sha256_file
 from draftopd.data.prepare import PrepareSettings, normalized_hash, prepare_data, quotas
@@ -22,20 +23,17 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _layouts(root: Path) -> dict[str, Path]:
     """The fixtures in their published binary layouts: ultrachat_200k parquet shards, a datasets cache for GSM8K
-    (Arrow stream files), NuminaMath parquet."""
+    (written by the `datasets` library), NuminaMath parquet."""
     uc = root / "ultrachat" / "data"
     uc.mkdir(parents=True)
     for split in ("train_sft", "test_sft"):
         rows = _jsonl(FIXTURES / "ultrachat" / f"{split}.jsonl")
         pq.write_table(pa.Table.from_pylist(rows), uc / f"{split}-00000-of-00001.parquet")
-    cache = root / "hf" / "openai___gsm8k" / "main" / "0.0.0" / "0123abcd"
-    cache.mkdir(parents=True)
-    (cache / "dataset_info.json").write_text("{}")
+    splits = {}
     for split in ("train", "test"):
         lines = (FIXTURES / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
-        table = pa.Table.from_pylist([json.loads(line) for line in lines if "broken" not in line])
-        with pa.OSFile(str(cache / f"gsm8k-{split}.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
-            w.write_table(table)
+        splits[split] = [json.loads(line) for line in lines if "broken" not in line]
+    write_hf_cache(root / "hf", "openai/gsm8k", "main", splits)
     pq.write_table(pa.Table.from_pylist(_jsonl(FIXTURES / "aops" / "numina.jsonl")), root / "numina.parquet")
     return {"ultrachat": root / "ultrachat", "gsm8k": root / "hf" / "openai___gsm8k", "numina": root / "numina.parquet"}
 
@@ -117,7 +115,8 @@ def test_each_published_layout_reads_into_chats(layouts, monkeypatch):
     assert "train.jsonl:9: not valid JSON" in jsonl.first_malformed
     monkeypatch.setenv("HF_DATASETS_CACHE", str(layouts["gsm8k"].parent))  # no path: the datasets cache
     cached = read_source(SourceSpec("gsm8k", "gsm8k"), 0.0)
-    assert cached.files[0].endswith("gsm8k-train.arrow") and len(cached.files) == 1 and len(cached.chats) == 10
+    assert cached.files == [f"openai/gsm8k (config main, split train) in the datasets cache {layouts['gsm8k'].parent}"]
+    assert len(cached.chats) == 10
 
 
 def test_too_many_malformed_rows_is_an_error_naming_source_and_row(tmp_path, layouts):

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from draftopd.data.sources import PrepareError
+from draftopd.data.io import PrepareError, read_rows
 
 MANIFEST = "manifest.json"
 HELDOUT = "heldout.jsonl"
@@ -70,8 +70,6 @@ def read_manifest(path: str | Path) -> dict:
 
 def pool_rows(path: str | Path, split: str) -> list[dict]:
     """Rows of the `train` shards, in order, or of the held-out file (any other split name)."""
-    from draftopd.data.eval_sets import read_rows
-
     p = Path(path)
     manifest = read_manifest(p)
     if split != "train":

@@ -29,8 +29,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftopd.data.io import PrepareError
 from draftopd.data.pool import HELDOUT, MANIFEST, sha256_file, shard_name, write_json, write_rows
-from draftopd.data.sources import PrepareError, SourceRows, SourceSpec, read_source
+from draftopd.data.sources import SourceRows, SourceSpec, read_source
 
 BACKENDS = ("native", "vllm")
 FORMATS = ("jsonl", "parquet")

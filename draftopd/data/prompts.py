@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftopd.data.io import PromptError
+
 ROLES = {"system", "user", "assistant", "tool"}
-
-
-class PromptError(ValueError):
-    """A prompt file or line that cannot be used, with its location in the message."""
 
 
 def _parse_line(obj, where: str) -> list[dict[str, str]]:

@@ -1,11 +1,16 @@
-"""Sources of training prompts, read from local copies in their published layouts (never downloaded).
+"""Published data sets: one registry of their layouts, and the training sources of `draftopd prepare-data`.
 
-A source is a kind (how its rows look), a place (a file, a folder searched for
-the kind's published file names, or, with no path, the local Hugging Face
-datasets cache) and a mixing weight. Each row becomes one chat: the messages
-before the answer the target will regenerate. Multi-turn rows (ShareGPT,
-UltraChat, `messages` lists) keep their earlier turns, assistant answers
-included, as context and end at their last user turn; the reference answers of
+A layout says where a data set lies (its published file names, its Hugging Face
+repositories with the config read), which split training and evaluation read,
+and how one row reads as the messages before each answer. Data are read from
+local copies only (never downloaded): a file, a folder searched for the
+layout's published files, or the local Hugging Face datasets cache.
+
+A training source is a kind (the name of a layout with a training split), a
+place and a mixing weight. Each row becomes one chat: the messages before the
+answer the target will regenerate. Multi-turn rows (ShareGPT, UltraChat,
+`messages` lists) keep their earlier turns, assistant answers included, as
+context and end at their last user turn; the reference answers of
 single-turn sources are dropped. Rows a kind cannot read are counted per source
 with the first one's location, and only fail the run past a threshold.
 
@@ -19,29 +24,30 @@ Published fields, per kind:
 * `aops`: `{"problem"|"question"|"rewritten_question", "solution"|"answer"...}` (AI-MO/aops,
   NuminaMath) or `{"messages"}` (AoPS-Instruct);
 * `codealpaca`: `{"instruction", "input", "output"}` (code_alpaca_20k.json).
+The evaluation sets (`mt_bench`, `gsm8k`, `math500`, `humaneval`, `mbpp`, `alpaca`, `cnn_dm`) are read by
+`data/eval_sets.py` from the same registry.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftopd.data.eval_sets import hf_cache_root, read_rows
-from draftopd.data.prompts import PromptError
+from draftopd.data.io import (
+    CachedSplit,
+    DataError,
+    Malformed,
+    PrepareError,
+    cache_folder,
+    cached_split,
+    found_rows,
+    hf_cache_root,
+    published_files,
+)
 
 Chat = list[dict[str, str]]
-
-
-class PrepareError(PromptError):
-    """A source, mix or output folder that cannot be used, with what was tried."""
-
-
-class Malformed(ValueError):
-    """A row its source's kind cannot turn into a chat."""
-
+Turns = list[Chat]  # the messages added before each answer, one list per turn
 
 ROLE_NAMES = {
     "human": "user",
@@ -73,86 +79,195 @@ def _conversation(turns: list[tuple[str, object]]) -> Chat:
     return system + chat[users[0] : users[-1] + 1]
 
 
-def _messages(row: dict) -> Chat:
+def _user(text: str) -> Turns:
+    return [[{"role": "user", "content": text}]]
+
+
+def _text(*keys: str) -> Callable[[dict], Turns]:
+    def turns(row: dict) -> Turns:
+        for k in keys:
+            if isinstance(row.get(k), str) and row[k].strip():
+                return _user(row[k])
+        raise Malformed(f"no non-empty string in {' / '.join(keys)}")
+
+    return turns
+
+
+def _messages(row: dict) -> Turns:
     msgs = row.get("messages")
     if isinstance(msgs, list) and msgs:
-        return _conversation([(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None) for m in msgs])
+        pairs = [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None) for m in msgs]
+        return [_conversation(pairs)]
     return _text("prompt")(row)
 
 
-def _sharegpt(row: dict) -> Chat:
+def _sharegpt(row: dict) -> Turns:
     conv = row.get("conversations")
     if not isinstance(conv, list) or not conv:
         raise Malformed("no 'conversations' list")
-    return _conversation([(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None) for m in conv])
+    return [_conversation([(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None) for m in conv])]
 
 
-def _text(*keys: str) -> Callable[[dict], Chat]:
-    def chat(row: dict) -> Chat:
-        for k in keys:
-            if isinstance(row.get(k), str) and row[k].strip():
-                return [{"role": "user", "content": row[k]}]
-        raise Malformed(f"no non-empty string in {' / '.join(keys)}")
-
-    return chat
-
-
-def _aops(row: dict) -> Chat:
+def _aops(row: dict) -> Turns:
     keys = ("problem", "question", "rewritten_question", "original_question")
     if any(isinstance(row.get(k), str) and row[k].strip() for k in keys) or "messages" not in row:
         return _text(*keys)(row)
     return _messages(row)
 
 
-def _codealpaca(row: dict) -> Chat:
+def _alpaca(row: dict) -> Turns:
+    """Alpaca and CodeAlpaca: the instruction, then its input after a blank line."""
     instruction, extra = row.get("instruction"), row.get("input") or ""
     if not isinstance(instruction, str) or not instruction.strip() or not isinstance(extra, str):
         raise Malformed("needs a non-empty string 'instruction' (and a string 'input')")
-    return [{"role": "user", "content": instruction + (f"\n\n{extra}" if extra.strip() else "")}]
+    return _user(instruction + (f"\n\n{extra}" if extra.strip() else ""))
+
+
+def _cnn_dm(row: dict) -> Turns:
+    if not isinstance(row.get("article"), str):
+        raise Malformed("no string 'article'")
+    return _user(f"Summarize the following article in a few sentences.\n\n{row['article']}")
+
+
+def _mt_bench(row: dict) -> Turns:
+    turns = row.get("turns") or row.get("prompt")
+    if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+        raise Malformed("no 'turns' list of strings")
+    return [turn for t in turns for turn in _user(t)]
 
 
 @dataclass(frozen=True)
-class Kind:
-    files: tuple[str, ...]  # glob patterns of the published files, in order of preference (the first that hits wins)
-    hf_dirs: tuple[str, ...]  # folder names in a Hugging Face datasets cache
-    splits: tuple[str, ...]  # split names of a cache's Arrow files, in order of preference
-    chat: Callable[[dict], Chat]
+class Hub:
+    """A data set's repository on the Hugging Face hub, as found in the local datasets cache."""
+
+    repo: str
+    configs: tuple[str, ...] = ("default",)  # the configs read, all of them, in order
 
 
-KINDS = {
-    "sharegpt": Kind(
+@dataclass(frozen=True)
+class Layout:
+    """How a published data set lies on disk and in the datasets cache, and how its rows read as turns."""
+
+    files: tuple[str, ...]  # glob patterns of its published files, in order of preference; {split}: the split read
+    hub: tuple[Hub, ...]  # its repositories, in order of preference (the first one cached is read)
+    turns: Callable[[dict], Turns]
+    train_split: str | None = None  # the split a training source reads (None: not a source kind)
+    eval_split: str | None = None  # the split an eval set reads (None: not an eval set)
+
+
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
+LAYOUTS = {
+    "sharegpt": Layout(
         ("ShareGPT*.json", "*.json", "*.jsonl", "*.parquet"),
-        ("anon8231489123___ShareGPT_Vicuna_unfiltered",),
-        ("train",),
+        (Hub("anon8231489123/ShareGPT_Vicuna_unfiltered"),),
         _sharegpt,
+        train_split="train",
     ),
-    "ultrachat": Kind(
-        ("train_sft-*.parquet", "*.parquet", "*.jsonl"), ("HuggingFaceH4___ultrachat_200k",), ("train_sft",), _messages
+    "ultrachat": Layout(
+        ("{split}-*.parquet", "*.parquet", "*.jsonl"),
+        (Hub("HuggingFaceH4/ultrachat_200k"),),
+        _messages,
+        train_split="train_sft",
     ),
-    "chat": Kind(("*.jsonl", "*.parquet", "*.json"), (), ("train",), _messages),
-    "gsm8k": Kind(
-        ("train.jsonl", "train-*.parquet", "*.jsonl"), ("openai___gsm8k", "gsm8k"), ("train",), _text("question")
+    "chat": Layout(("*.jsonl", "*.parquet", "*.json"), (), _messages, train_split="train"),
+    "gsm8k": Layout(
+        ("{split}.jsonl", "{split}-*.parquet", "*.jsonl"),
+        (Hub("openai/gsm8k", ("main",)),),
+        _text("question"),
+        train_split="train",
+        eval_split="test",
     ),
-    "math": Kind(
-        ("train-*.parquet", "train.jsonl", "train/*/*.json", "*.jsonl", "*.parquet", "*.json"),
-        ("EleutherAI___hendrycks_math", "hendrycks___competition_math", "competition_math"),
-        ("train",),
+    "math": Layout(
+        ("{split}-*.parquet", "{split}.jsonl", "{split}/*/*.json", "*.jsonl", "*.parquet", "*.json"),
+        (Hub("EleutherAI/hendrycks_math", MATH_SUBJECTS), Hub("hendrycks/competition_math")),
         _text("problem", "question"),
+        train_split="train",
     ),
-    "aops": Kind(
-        ("train-*.parquet", "*.parquet", "*.jsonl", "*.json"),
-        ("AI-MO___aops", "DeepStudentLlama___AoPS-Instruct", "AI-MO___NuminaMath-CoT"),
-        ("train",),
+    "aops": Layout(
+        ("{split}-*.parquet", "*.parquet", "*.jsonl", "*.json"),
+        (Hub("AI-MO/aops"), Hub("DeepStudentLlama/AoPS-Instruct"), Hub("AI-MO/NuminaMath-CoT")),
         _aops,
+        train_split="train",
     ),
-    "codealpaca": Kind(
-        ("code_alpaca_20k.json", "code_alpaca_data.json", "*.json", "*.jsonl", "train-*.parquet"),
-        ("sahil2801___CodeAlpaca-20k",),
-        ("train",),
-        _codealpaca,
+    "codealpaca": Layout(
+        ("code_alpaca_20k.json", "code_alpaca_data.json", "*.json", "*.jsonl", "{split}-*.parquet"),
+        (Hub("sahil2801/CodeAlpaca-20k"),),
+        _alpaca,
+        train_split="train",
+    ),
+    "mt_bench": Layout(
+        ("question.jsonl", "*.parquet"), (Hub("HuggingFaceH4/mt_bench_prompts"),), _mt_bench, eval_split="train"
+    ),
+    "math500": Layout(
+        ("{split}.jsonl", "{split}-*.parquet"), (Hub("HuggingFaceH4/MATH-500"),), _text("problem"), eval_split="test"
+    ),
+    "humaneval": Layout(
+        ("HumanEval.jsonl", "HumanEval.jsonl.gz", "{split}-*.parquet"),
+        (Hub("openai/openai_humaneval", ("openai_humaneval",)),),
+        _text("prompt"),
+        eval_split="test",
+    ),
+    "mbpp": Layout(
+        ("mbpp.jsonl", "sanitized-mbpp.json", "{split}-*.parquet"),
+        (Hub("google-research-datasets/mbpp", ("full",)),),
+        _text("text", "prompt"),
+        eval_split="test",
+    ),
+    "alpaca": Layout(
+        ("alpaca_data.json", "{split}-*.parquet"), (Hub("tatsu-lab/alpaca"),), _alpaca, eval_split="train"
+    ),
+    "cnn_dm": Layout(
+        ("{split}-*.parquet", "{split}.jsonl"), (Hub("abisee/cnn_dailymail", ("3.0.0",)),), _cnn_dm, eval_split="test"
     ),
 }
-CACHE_METADATA = {"dataset_info.json", "state.json", "dataset_dict.json"}  # files of a datasets cache, not data
+KINDS = [name for name, layout in LAYOUTS.items() if layout.train_split]
+
+Found = list[Path | CachedSplit]
+
+
+def _cached(layout: Layout, split: str, cache_dir: Path) -> Found:
+    """Every config of the first of the layout's repositories found in the datasets cache at `cache_dir`."""
+    for hub in layout.hub:
+        found = [cached_split(hub.repo, config, split, cache_dir) for config in hub.configs]
+        if all(found):  # all None when the repository is not cached; a missing config raises, naming what is
+            return found
+    return []
+
+
+def _cache_dir_at(layout: Layout, root: Path) -> Path | None:
+    """`root` as a datasets cache holding one of the layout's repositories, or as such a repository's folder."""
+    folders = {cache_folder(hub.repo) for hub in layout.hub}
+    if any((root / folder).is_dir() for folder in folders):
+        return root
+    return root.parent if root.name in folders else None
+
+
+def locate(name: str, split: str, path: str | None = None) -> Found:
+    """The data of layout `name`'s split `split`: the given file; under a given folder the published files, or
+    the split in the datasets cache the folder holds; without a path the datasets cache. Empty if not cached;
+    a `DataError` (without the name) if the path cannot be read as this layout."""
+    layout = LAYOUTS[name]
+    if path is None:
+        return _cached(layout, split, hf_cache_root())
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise DataError(f"{p} does not exist")
+    if (cache_dir := _cache_dir_at(layout, p)) and (found := _cached(layout, split, cache_dir)):
+        return found
+    found = published_files(p, tuple(pattern.format(split=split) for pattern in layout.files))
+    if not found:
+        raise DataError(f"no file of the {name} layout under {p}")
+    return found
 
 
 @dataclass
@@ -210,67 +325,6 @@ def _checked(spec: SourceSpec, where: str) -> SourceSpec:
     return spec
 
 
-def _search(kind: Kind, root: Path) -> list[Path]:
-    for pattern in kind.files:
-        hits = sorted(p for p in root.rglob(pattern) if p.is_file() and p.name not in CACHE_METADATA)
-        if hits:
-            return hits
-    arrows = sorted(root.rglob("*.arrow"))  # a datasets cache: <builder>-<split>[-NNNNN-of-NNNNN].arrow
-    for split in kind.splits:
-        picked = [p for p in arrows if f"-{split}." in p.name or f"-{split}-" in p.name]
-        if picked:
-            return picked
-    return arrows
-
-
-def find_files(spec: SourceSpec) -> list[Path]:
-    """The files of a source: the given file, the kind's files under the given folder, or in the datasets cache."""
-    kind = KINDS[spec.kind]
-    if spec.path is not None:
-        p = Path(spec.path)
-        if p.is_file():
-            return [p]
-        if not p.is_dir():
-            raise PrepareError(f"source {spec.name}: {p} does not exist")
-        if not (files := _search(kind, p)):
-            raise PrepareError(f"source {spec.name}: no file of the {spec.kind} layout under {p}")
-        return files
-    for folder in kind.hf_dirs:
-        d = hf_cache_root() / folder
-        if d.is_dir() and (files := _search(kind, d)):
-            return files
-    raise PrepareError(
-        f"source {spec.name}: no path given ({spec.name}=PATH) and none of {list(kind.hf_dirs)} "
-        f"in the datasets cache {hf_cache_root()}"
-    )
-
-
-def file_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(location, row) of every row; a JSONL line that is not JSON comes as a `Malformed` row, not an error."""
-    name = path.name
-    if ".jsonl" in name:
-        opener = gzip.open if name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield f"{path}:{n}", json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        yield f"{path}:{n}", Malformed(f"not valid JSON ({exc.msg})")
-        return
-    if name.endswith(".json"):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(data, dict):  # the MATH tree: one problem per file
-            yield str(path), data
-            return
-        if not isinstance(data, list):
-            raise PrepareError(f"{path}: expected a JSON list of rows or one JSON object")
-    else:
-        data = read_rows(path)  # parquet, Arrow (datasets cache), gzipped JSON
-    for i, row in enumerate(data):
-        yield f"{path}[{i}]", row
-
-
 @dataclass
 class SourceRows:
     """What was read from one source: its chats, and how many rows could not be read."""
@@ -287,25 +341,45 @@ class SourceRows:
         return self.num_malformed / max(self.num_rows, 1)
 
 
+def find_files(spec: SourceSpec) -> Found:
+    """The data of a source: the given file, the kind's files under the given folder, or its training split in
+    the datasets cache (the one the given folder holds, else the local one)."""
+    layout = LAYOUTS[spec.kind]
+    try:
+        found = locate(spec.kind, layout.train_split, spec.path)
+    except DataError as exc:
+        raise PrepareError(f"source {spec.name}: {exc}") from None
+    if not found:
+        raise PrepareError(
+            f"source {spec.name}: no path given ({spec.name}=PATH) and none of "
+            f"{[hub.repo for hub in layout.hub]} in the datasets cache {hf_cache_root()}"
+        )
+    return found
+
+
 def read_source(spec: SourceSpec, max_malformed_fraction: float) -> SourceRows:
     """Every chat of a source; a `PrepareError` if more than the allowed fraction of its rows is malformed."""
     from tqdm import tqdm
 
     files = find_files(spec)
     out = SourceRows(spec, [str(f) for f in files])
-    to_chat = KINDS[spec.kind].chat
-    for f in tqdm(files, desc=f"read {spec.name}", unit="file", disable=len(files) < 20):
-        for where, row in file_rows(f):
-            out.num_rows += 1
-            try:
-                if isinstance(row, Exception):
-                    raise row
-                if not isinstance(row, dict):
-                    raise Malformed(f"expected an object, got {type(row).__name__}")
-                out.chats.append(to_chat(row))
-            except (Malformed, KeyError, TypeError, AttributeError) as exc:
-                out.num_malformed += 1
-                out.first_malformed = out.first_malformed or f"{where}: {exc}"
+    turns = LAYOUTS[spec.kind].turns
+    try:
+        for f in tqdm(files, desc=f"read {spec.name}", unit="file", disable=len(files) < 20):
+            for where, row in found_rows(f):
+                out.num_rows += 1
+                try:
+                    if isinstance(row, Exception):
+                        raise row
+                    if not isinstance(row, dict):
+                        raise Malformed(f"expected an object, got {type(row).__name__}")
+                    [chat] = turns(row)  # the layouts of training sources read one turn per row
+                    out.chats.append(chat)
+                except (Malformed, KeyError, TypeError, AttributeError) as exc:
+                    out.num_malformed += 1
+                    out.first_malformed = out.first_malformed or f"{where}: {exc}"
+    except DataError as exc:
+        raise PrepareError(f"source {spec.name}: {exc}") from None
     if out.num_rows == 0:
         raise PrepareError(f"source {spec.name}: no rows in {', '.join(out.files)}")
     if out.malformed_fraction > max_malformed_fraction:

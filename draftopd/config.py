@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftopd.opd.buffer import BufferConfig
-
 TOY_TARGET = "toy"  # the toy target shipped in draftopd/assets
 
 
@@ -165,6 +163,20 @@ class RolloutConfig:
 
 
 @dataclass
+class BufferConfig:
+    capacity: int = 4096
+    """Most error states held; beyond it the oldest (by insertion) are evicted."""
+    max_staleness: int = 4
+    """A state drafted by policy version v is discarded once the current version is > v + max_staleness."""
+    sampling: str = "uniform"
+    """How states are drawn: "uniform", or "error_weighted" (proportional to the number of rejected drafts)."""
+    include_accepted_steps: bool = False
+    """Also keep fully accepted steps, which carry no rejection (weight 1)."""
+    seed: int = 0
+    """Seed of the sampling RNG."""
+
+
+@dataclass
 class LearnerConfig:
     num_learners: int = 2
     """DeepSpeed data-parallel ranks (Ray actors)."""
@@ -238,6 +250,8 @@ class RayConfig:
     """CPUs of a local Ray (0: all)."""
     object_store_memory_mb: int = 1024
     """Object store size of a local Ray."""
+    in_process: bool = False
+    """Run every role in the driver's process, without Ray (tests, debugging): one learner rank, object-store sync."""
 
 
 @dataclass
@@ -339,6 +353,10 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
+        raise ConfigError(
+            "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"
+        )
     if cfg.learner.num_gpus_per_learner not in (0, 1):
         # A rank computes on one device (opd/learner.py::learner_device); NCCL refuses two ranks on one GPU.
         raise ConfigError(

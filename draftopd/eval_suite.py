@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftopd.engine.speculative import SamplingConfig
 from draftopd.evaluate import acceptance_stats, timed_generate
+from draftopd.messages import SamplingConfig
 
 SYSTEM_SHORT = "You are a helpful assistant."
 SYSTEM_LONG = (

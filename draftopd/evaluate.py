@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.messages import Trajectory
+from draftopd.engine.speculative import SpeculativeEngine
+from draftopd.messages import SamplingConfig, Trajectory
 
 
 def acceptance_stats(trajs: list[Trajectory], k: int) -> dict:

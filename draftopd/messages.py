@@ -13,6 +13,16 @@ from typing import Any
 
 
 @dataclass
+class SamplingConfig:
+    """How to decode: temperature 0 is greedy; K drafts per verification step."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    num_draft_tokens: int = 4
+    seed: int = 0
+
+
+@dataclass
 class VerificationStep:
     """One draft-then-verify step of one sequence.
 

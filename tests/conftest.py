@@ -3,15 +3,18 @@
 import pytest
 import torch
 
+from draftopd.drafters import FAMILIES
+
 torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than they save
 
 
-@pytest.fixture(scope="session")
-def tiny_pair():
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def tiny_pair(request):
+    """A tiny target and a briefly trained drafter of each family: the exactness tests run once per family."""
     from draftopd.testing import tiny_target, train_tiny_drafter
 
     target = tiny_target(vocab=16)
-    return target, train_tiny_drafter(target)
+    return target, train_tiny_drafter(target, kind=request.param)
 
 
 def random_prompts(n: int, vocab: int, seed: int, max_len: int = 9) -> list[list[int]]:

@@ -7,7 +7,9 @@ import torch
 from conftest import random_prompts
 
 import draftopd.engine.speculative as spec_mod
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.drafters import FAMILIES
+from draftopd.engine.speculative import SpeculativeEngine
+from draftopd.messages import SamplingConfig
 from draftopd.testing import tiny_drafter, tiny_target
 
 
@@ -93,10 +95,11 @@ def sample_counts(target, drafter, prompt, n_tokens, k, rows, seed):
 FALSE_ALARM = 1e-3  # each sampling test fails by chance with this probability (fixed seeds make it repeatable)
 
 
-@pytest.fixture(scope="module")
-def small_vocab():
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def small_vocab(request):
     target = tiny_target(vocab=8, hidden=32, seed=5, sharpness=1.5)
-    drafter = tiny_drafter(target, draft_vocab=6, seed=6)  # two target tokens cannot be drafted at all
+    # two target tokens cannot be drafted at all
+    drafter = tiny_drafter(target, draft_vocab=6, seed=6, kind=request.param)
     probs, _ = exact_distribution(target, [2, 3, 4], 3)
     return target, drafter, probs
 

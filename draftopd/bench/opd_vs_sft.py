@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.evaluate import acceptance_stats
+from draftopd.messages import SamplingConfig
 from draftopd.opd.buffer import BufferConfig, ReplayBuffer
 from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, target_to_draft_index
 from draftopd.sft.trainer import SFTExample, collate, ttt_loss

@@ -19,25 +19,13 @@ losslessness tests compare against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from draftopd.drafters.base import Drafter
 from draftopd.engine.verify import greedy_verify, rejection_verify, sample
-from draftopd.messages import Trajectory, VerificationStep
+from draftopd.messages import SamplingConfig, Trajectory, VerificationStep
 from draftopd.models.layers import at_least_fp32, attend_mask
 from draftopd.models.target import TargetModel
-
-
-@dataclass
-class SamplingConfig:
-    """How to decode: temperature 0 is greedy; K drafts per verification step."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    num_draft_tokens: int = 4
-    seed: int = 0
 
 
 class SpeculativeEngine:

@@ -2,7 +2,9 @@
 
 Each actor is the plain class of its role; Ray adds placement, restarts and
 remote calls. Rollout workers restart on failure and their in-flight calls are
-retried (the calls carry the weights they need, see opd/rollout.py).
+retried (the calls carry the weights they need, see opd/rollout.py). With
+`ray.in_process`, the same plain objects are wrapped to be called alike in the
+driver's process (opd/runtime.py).
 """
 
 from __future__ import annotations
@@ -13,15 +15,24 @@ from draftopd.opd.learner import DraftLearner
 from draftopd.opd.rollout import RolloutWorker
 
 
+def _in_process(cls):
+    from draftopd.opd.runtime import InProcessClass
+
+    return InProcessClass(cls)
+
+
 def rollout_actors(cfg: Config, eos: list[int]):
     import ray
 
-    actor = ray.remote(RolloutWorker).options(
-        num_cpus=cfg.rollout.num_cpus_per_worker,
-        num_gpus=cfg.rollout.num_gpus_per_worker,
-        max_restarts=cfg.rollout.max_restarts,
-        max_task_retries=cfg.rollout.max_restarts,
-    )
+    if cfg.ray.in_process:
+        actor = _in_process(RolloutWorker)
+    else:
+        actor = ray.remote(RolloutWorker).options(
+            num_cpus=cfg.rollout.num_cpus_per_worker,
+            num_gpus=cfg.rollout.num_gpus_per_worker,
+            max_restarts=cfg.rollout.max_restarts,
+            max_task_retries=cfg.rollout.max_restarts,
+        )
     r = cfg.rollout
     options = None
     if r.backend == "vllm":
@@ -35,14 +46,18 @@ def rollout_actors(cfg: Config, eos: list[int]):
 def buffer_actor(cfg: Config):
     import ray
 
-    return ray.remote(ReplayBuffer).options(num_cpus=0).remote(cfg.buffer)
+    actor = _in_process(ReplayBuffer) if cfg.ray.in_process else ray.remote(ReplayBuffer).options(num_cpus=0)
+    return actor.remote(cfg.buffer)
 
 
 def learner_actors(cfg: Config, spec, master_port: int):
     import ray
 
-    actor = ray.remote(DraftLearner).options(
-        num_cpus=cfg.learner.num_cpus_per_learner, num_gpus=cfg.learner.num_gpus_per_learner, max_restarts=0
-    )
+    if cfg.ray.in_process:
+        actor = _in_process(DraftLearner)
+    else:
+        actor = ray.remote(DraftLearner).options(
+            num_cpus=cfg.learner.num_cpus_per_learner, num_gpus=cfg.learner.num_gpus_per_learner, max_restarts=0
+        )
     n = cfg.learner.num_learners
     return [actor.remote(spec, rank, n, "127.0.0.1", master_port) for rank in range(n)]

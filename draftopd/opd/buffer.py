@@ -13,27 +13,13 @@ from __future__ import annotations
 
 import heapq
 import random
-from dataclasses import dataclass
 
+from draftopd.config import CHOICES, BufferConfig
 from draftopd.messages import ErrorState, Trajectory, VerificationStep
 
-SAMPLINGS = ("uniform", "error_weighted")
+SAMPLINGS = CHOICES["buffer.sampling"]
 _STATE_DICT_FORMAT = 1
 _COUNTERS = ("num_added", "num_evicted", "num_stale_discarded", "num_sampled")
-
-
-@dataclass
-class BufferConfig:
-    capacity: int = 4096
-    """Most error states held; beyond it the oldest (by insertion) are evicted."""
-    max_staleness: int = 4
-    """A state drafted by policy version v is discarded once the current version is > v + max_staleness."""
-    sampling: str = "uniform"
-    """How states are drawn: "uniform", or "error_weighted" (proportional to the number of rejected drafts)."""
-    include_accepted_steps: bool = False
-    """Also keep fully accepted steps, which carry no rejection (weight 1)."""
-    seed: int = 0
-    """Seed of the sampling RNG."""
 
 
 class ReplayBuffer:

@@ -69,7 +69,8 @@ def refresh_plot(s: Session) -> None:
         s.tracker.log_artifact(png, "plots")
 
 
-def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
+def run_opd(cfg: Config, argv: list[str] | None = None, runtime=None) -> dict:
+    """The whole job; `runtime` (opd/runtime.py) defaults to Ray, or the driver's process with ray.in_process."""
     run = RunDir(cfg, list(sys.argv if argv is None else argv))
     state = DriverState()
     ckpt = latest_checkpoint(run.path) if cfg.run.resume else None
@@ -80,8 +81,9 @@ def run_opd(cfg: Config, argv: list[str] | None = None) -> dict:
         state = DriverState(**json.loads((ckpt / "driver_state.json").read_text()))
     tracker = Tracker(run.path, cfg.tracking.experiment, cfg.run.name, cfg.tracking.tracking_uri or None)
     state.mlflow_run_id = tracker.start(state.mlflow_run_id or None)
-    start_ray(cfg)
-    s = Session(cfg, run, tracker, state)
+    if not cfg.ray.in_process:
+        start_ray(cfg)
+    s = Session(cfg, run, tracker, state, runtime)
     s.log_config()
     s.place_actors()
     try:

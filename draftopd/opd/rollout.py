@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.messages import Trajectory, WeightUpdate
+from draftopd.engine.speculative import SpeculativeEngine
+from draftopd.messages import SamplingConfig, Trajectory, WeightUpdate
 from draftopd.opd.weight_sync import StaleWeights
 
 
@@ -77,9 +77,9 @@ class RolloutWorker:
                 f"rollout worker {self.index} holds policy version {self.policy_version}, not "
                 f"{update.policy_version} (broadcast over group {update.group!r} before it joined)"
             )
-        import ray
+        from draftopd.opd.runtime import resolve
 
-        return self.load_weights(update.drafter_config, ray.get(update.state_ref), update.policy_version)
+        return self.load_weights(update.drafter_config, resolve(update.state_ref), update.policy_version)
 
     # -- the receiving end of a collective weight sync (opd/weight_sync.py) -------------------------
 

@@ -19,11 +19,12 @@ from tqdm import tqdm
 
 from draftopd.config import Config, to_dict
 from draftopd.data.prompts import encode_chats, load_prompts
-from draftopd.engine.speculative import SamplingConfig
 from draftopd.evaluate import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer
+from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec
 from draftopd.opd.replay import OPDLossConfig
+from draftopd.opd.runtime import InProcessRuntime, RayRuntime
 from draftopd.opd.weight_sync import StaleWeights, make_weight_sync
 from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, lr_at
@@ -102,8 +103,9 @@ def start_ray(cfg: Config) -> None:
 class Session:
     """One job: owns the run directory, the tracker and the actor handles."""
 
-    def __init__(self, cfg: Config, run: RunDir, tracker, state: DriverState):
+    def __init__(self, cfg: Config, run: RunDir, tracker, state: DriverState, runtime=None):
         self.cfg, self.run, self.tracker, self.state = cfg, run, tracker, state
+        self.rt = runtime or (InProcessRuntime() if cfg.ray.in_process else RayRuntime())
         self.tokenizer = load_tokenizer(cfg.target.path)
         self.eos = eos_ids(self.tokenizer, cfg.target.path)
         think = cfg.data.enable_thinking
@@ -115,7 +117,7 @@ class Session:
             load_prompts(cfg.data.eval_prompts, "held_out", cfg.opd.num_eval_prompts, cfg.run.seed),
             think,
         )
-        self.weight_sync = make_weight_sync(cfg.sync.backend)
+        self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt)
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
 
@@ -163,8 +165,6 @@ class Session:
         A chunk refused by a worker that missed a collective broadcast (it was restarted) runs again
         after a new publish; one killed mid-call was already retried by Ray on the restarted worker.
         """
-        import ray
-
         n, bs = len(self.workers), self.cfg.rollout.batch_size
         chunks = [(self.workers[j % n], i) for j, i in enumerate(range(0, len(prompts), bs))]
 
@@ -178,10 +178,10 @@ class Session:
         pending = list(refs)
         with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not desc, leave=False) as bar:
             while pending:
-                [ref], pending = ray.wait(pending, num_returns=1)
+                [ref], pending = self.rt.wait(pending, num_returns=1)
                 k = slot[ref]
                 try:
-                    ray.get(ref)
+                    self.rt.get(ref)
                 except StaleWeights:
                     self.sync()
                     refs[k] = submit(k)
@@ -192,13 +192,11 @@ class Session:
         return refs
 
     def target_responses(self) -> list[SFTExample]:
-        import ray
-
         d = self.cfg.data
         sampling = SamplingConfig(d.max_new_tokens, d.response_temperature, 0, self.cfg.run.seed)
         indices = list(range(len(self.train_prompts)))
         refs = self._generate(self.train_prompts, indices, sampling, False, "target responses")
-        trajs = [t for chunk in ray.get(refs) for t in chunk]
+        trajs = [t for chunk in self.rt.get(refs) for t in chunk]
         return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
 
     def place_learners_for_start(self, examples: list[SFTExample]) -> None:
@@ -233,8 +231,6 @@ class Session:
 
     def rollout_round(self) -> dict:
         """Prompts of this round through the workers into the buffer; returns rollout metrics."""
-        import ray
-
         r, n = self.cfg.rollout, len(self.train_prompts)
         start = (self.state.round * r.prompts_per_round) % n
         idx = [(start + i) % n for i in range(r.prompts_per_round)]
@@ -243,9 +239,9 @@ class Session:
         )
         t0 = time.perf_counter()
         refs = self._generate([self.train_prompts[i] for i in idx], idx, sampling, True)
-        added = ray.get([self.buffer.add.remote(ref) for ref in refs])
+        added = self.rt.get([self.buffer.add.remote(ref) for ref in refs])
         seconds = time.perf_counter() - t0
-        trajs = [t for chunk in ray.get(refs) for t in chunk]  # small: token lists and step records
+        trajs = [t for chunk in self.rt.get(refs) for t in chunk]  # small: token lists and step records
         stats = acceptance_stats(trajs, r.num_draft_tokens)
         tokens = sum(len(t.output_ids) for t in trajs)
         return {
@@ -256,11 +252,9 @@ class Session:
         }
 
     def opd_step(self) -> dict:
-        import ray
-
         lc = self.cfg.learner
         n = len(self.learners)
-        if ray.get(self.buffer.stats.remote())["size"] == 0:
+        if self.rt.get(self.buffer.stats.remote())["size"] == 0:
             return {}
         samples = [self.buffer.sample.remote(lc.batch_size, self.state.policy_version) for _ in range(n)]
         loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
@@ -273,14 +267,12 @@ class Session:
 
     def sync(self) -> float:
         """Publish rank 0's drafter at the current policy version to every worker; returns the seconds it took."""
-        import ray
-
         t0 = time.perf_counter()
         try:
             self.update = self.weight_sync.publish(
                 self.learners, self.workers, self.state.drafter_config, self.state.policy_version
             )
-        except ray.exceptions.RayActorError as exc:
+        except self.rt.ActorDied as exc:
             raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
         return time.perf_counter() - t0
 
@@ -290,20 +282,16 @@ class Session:
         return path
 
     def _learners_get(self, refs: list, what: str) -> list:
-        import ray
-
         try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as exc:
+            return self.rt.get(refs)
+        except self.rt.ActorDied as exc:
             raise TrainingError(f"a learner rank died during {what} ({_first_line(exc)})") from None
 
     def evaluate(self) -> dict:
-        import ray
-
         k = self.cfg.rollout.num_draft_tokens
         sampling = SamplingConfig(self.cfg.eval.max_new_tokens, 0.0, k, self.cfg.run.seed)
         refs = self._generate(self.eval_prompts, list(range(len(self.eval_prompts))), sampling, True)
-        stats = acceptance_stats([t for chunk in ray.get(refs) for t in chunk], k)
+        stats = acceptance_stats([t for chunk in self.rt.get(refs) for t in chunk], k)
         out = {
             "eval/toy/tau": stats["tau"],
             **{f"eval/toy/accept_pos_{i}": a for i, a in enumerate(stats["acceptance_per_position"])},
@@ -320,9 +308,7 @@ class Session:
         self.tracker.log_metrics(clean, step=self.state.policy_version)
 
     def buffer_stats(self) -> dict:
-        import ray
-
-        s = ray.get(self.buffer.stats.remote(self.state.policy_version))
+        s = self.rt.get(self.buffer.stats.remote(self.state.policy_version))
         return {f"buffer/{k}": float(v) for k, v in s.items()}
 
     def checkpoint(self) -> None:
@@ -331,14 +317,12 @@ class Session:
         `latest.json` is switched to it only when it is complete, so a crash mid-checkpoint resumes from
         the previous one; the two newest checkpoints are kept.
         """
-        import ray
-
         root = self.run.path / "checkpoints"
         ckpt = root / f"v{self.state.policy_version:06d}-r{self.state.round:04d}"
         ckpt.mkdir(parents=True, exist_ok=True)
         self._learners_get([lr.save_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "checkpoint")
         self.save_drafter(ckpt / "drafter")
-        _atomic_write(ckpt / "buffer.json", json.dumps(ray.get(self.buffer.state_dict.remote())))
+        _atomic_write(ckpt / "buffer.json", json.dumps(self.rt.get(self.buffer.state_dict.remote())))
         _atomic_write(ckpt / "driver_state.json", json.dumps(self.state.__dict__))
         _atomic_write(root / "latest.json", json.dumps({"dir": ckpt.name}))
         for old in sorted(p for p in root.glob("v*-r*") if p.is_dir())[:-2]:
@@ -346,14 +330,12 @@ class Session:
 
     def restore(self) -> None:
         """The inverse of `checkpoint`: learners, buffer and workers back where the checkpoint left them."""
-        import ray
-
         ckpt = latest_checkpoint(self.run.path)
         saved = json.loads((ckpt / "driver_state.json").read_text())
         self.state.__dict__.update({k: v for k, v in saved.items() if k != "mlflow_run_id"})
         self.place_learners(init_path=str(ckpt / "drafter"))
         self._learners_get([lr.load_checkpoint.remote(str(ckpt / "deepspeed")) for lr in self.learners], "restore")
-        ray.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
+        self.rt.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
         self.sync()
 
     def log_config(self) -> None:

@@ -76,7 +76,13 @@ def broadcast_state(group, backend: str, items: list[tuple[str, tuple, str]], st
 
 
 class WeightSync:
-    """Publishes rank 0's drafter to every worker; returns the update each later generate call carries."""
+    """Publishes rank 0's drafter to every worker; returns the update each later generate call carries.
+
+    `rt` is the session's runtime (opd/runtime.py): Ray, or the roles in the driver's process.
+    """
+
+    def __init__(self, rt):
+        self.rt = rt
 
     def publish(self, learners: list, workers: list, drafter_config: dict, version: int) -> WeightUpdate:
         raise NotImplementedError
@@ -84,50 +90,47 @@ class WeightSync:
 
 class ObjectStoreSync(WeightSync):
     def publish(self, learners, workers, drafter_config, version):
-        import ray
-
         ref = [learner.weights.remote() for learner in learners][0]  # every rank: ZeRO-3 gathers collectively
         update = WeightUpdate(version, drafter_config, state_ref=ref)
-        held = ray.get([w.apply_update.remote(update) for w in workers])
+        held = self.rt.get([w.apply_update.remote(update) for w in workers])
         assert held == [version] * len(workers), held
         return update
 
 
 class CollectiveSync(WeightSync):
-    def __init__(self, backend: str, timeout_s: float = 300.0):
+    def __init__(self, rt, backend: str, timeout_s: float = 300.0):
+        super().__init__(rt)
         self.backend, self.timeout_s = backend, timeout_s
         self.group, self.items = "", []
         self._names = (f"weights-{i}" for i in itertools.count())
 
     def _form_group(self, learners: list, workers: list) -> None:
         """A fresh group: learner rank 0 is rank 0 (and hosts the store), workers follow."""
-        import ray
-
-        self.items = ray.get([learner.weight_manifest.remote() for learner in learners])[0]
-        host, port = ray.get(learners[0].free_port.remote())
+        get = self.rt.get
+        self.items = get([learner.weight_manifest.remote() for learner in learners])[0]
+        host, port = get(learners[0].free_port.remote())
         name, n = next(self._names), len(workers) + 1
         args = (self.backend, host, port, n, self.timeout_s)
         joins = [learners[0].join_weight_group.remote(name, 0, *args)]
         joins += [w.join_weight_group.remote(name, r + 1, *args) for r, w in enumerate(workers)]
-        ray.get(joins)
+        get(joins)
         self.group = name
 
     def publish(self, learners, workers, drafter_config, version):
-        import ray
-
-        if not self.group or ray.get([w.weight_group.remote() for w in workers]) != [self.group] * len(workers):
+        get = self.rt.get
+        if not self.group or get([w.weight_group.remote() for w in workers]) != [self.group] * len(workers):
             self._form_group(learners, workers)
         update = WeightUpdate(version, drafter_config, group=self.group)
         sends = [learner.broadcast_weights.remote(self.group, self.items) for learner in learners]
-        held = ray.get([w.receive_weights.remote(update, self.items) for w in workers])
-        ray.get(sends)
+        held = get([w.receive_weights.remote(update, self.items) for w in workers])
+        get(sends)
         assert held == [version] * len(workers), held
         return update
 
 
-def make_weight_sync(backend: str) -> WeightSync:
+def make_weight_sync(backend: str, rt) -> WeightSync:
     if backend == "object_store":
-        return ObjectStoreSync()
+        return ObjectStoreSync(rt)
     if backend in ("gloo", "nccl"):
-        return CollectiveSync(backend)
+        return CollectiveSync(rt, backend)
     raise ValueError(f"unknown sync.backend {backend!r}: object_store, gloo or nccl")

@@ -15,10 +15,10 @@ from draftopd.config import Config
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.drafters import load_drafter, new_drafter, save_drafter
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.evaluate import evaluate, format_table
 from draftopd.loading import eos_ids, load_target, load_tokenizer
-from draftopd.messages import Trajectory
+from draftopd.messages import SamplingConfig, Trajectory
 from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, SFTTrainer
 from draftopd.sft.vocab import build_draft_vocab, coverage

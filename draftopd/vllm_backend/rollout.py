@@ -14,8 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftopd.engine.speculative import SamplingConfig
-from draftopd.messages import Trajectory
+from draftopd.messages import SamplingConfig, Trajectory
 
 
 @dataclass

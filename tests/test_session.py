@@ -1,0 +1,99 @@
+"""The Draft-OPD driver without Ray: every role in this process (`ray.in_process`), the same Session code.
+
+What is checked is the driver's own accounting: policy versions, when it syncs,
+evaluates and checkpoints, and that drafter weights never reach it (they go
+from the learner to the workers and to disk by reference only).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from draftopd.config import load_config
+from draftopd.drafters import read_checkpoint
+from draftopd.opd.driver import run_opd
+from draftopd.opd.runtime import InProcessRuntime
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "toy-opd.yaml"
+SMALL = [
+    "ray.in_process=true",
+    "learner.num_learners=1",
+    "rollout.num_workers=1",
+    "data.num_train_prompts=8",
+    "data.max_new_tokens=32",
+    "sft.epochs=1",
+    "sft.batch_size=4",
+    "sft.ttt_depth=3",
+    "rollout.prompts_per_round=4",
+    "rollout.max_new_tokens=32",
+    "learner.batch_size=4",
+    "opd.num_rounds=3",
+    "opd.steps_per_round=2",
+    "opd.sync_every=2",
+    "opd.eval_every=4",
+    "opd.checkpoint_every=1",
+    "opd.num_eval_prompts=2",
+    "eval.max_new_tokens=16",
+]
+
+
+def _arrays(value) -> list:
+    """Every tensor or array inside a received value (dicts, lists, tuples, dataclass-like objects)."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return [value]
+    if isinstance(value, dict):
+        return [a for v in value.values() for a in _arrays(v)]
+    if isinstance(value, list | tuple):
+        return [a for v in value for a in _arrays(v)]
+    return [a for v in getattr(value, "__dict__", {}).values() for a in _arrays(v)]
+
+
+@pytest.fixture
+def clean_process_group():
+    """The in-process learner initialises torch.distributed here: leave the process as it was."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_driver_accounting_without_ray(tmp_path, clean_process_group):
+    received = []
+    runtime = InProcessRuntime(observe=received.append)
+    cfg = load_config(RECIPE, [f"run.out_dir={tmp_path}", *SMALL])
+    result = run_opd(cfg, ["test"], runtime)
+
+    # The driver never holds drafter weights: nothing it received carries a tensor or an array.
+    assert received and [a for v in received for a in _arrays(v)] == []
+    assert _arrays({"w": [torch.zeros(1)]})  # the walk finds weights where they are
+
+    rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    sft = [r for r in rows if r["phase"] == "sft"]
+    opd = [r for r in rows if r["phase"] == "opd"]
+    assert [r["policy_version"] for r in sft] == list(range(1, len(sft) + 1))  # one version per learner step
+    n_sft = len(sft)
+    assert [r["policy_version"] for r in opd] == list(range(n_sft + 1, n_sft + 1 + 3 * 2))
+    synced = [r["policy_version"] for r in opd if "sync_seconds" in r]
+    assert synced == [v for v in range(n_sft + 1, n_sft + 7) if v % 2 == 0]
+    evaluated = [r["policy_version"] for r in opd if "eval/toy/tau" in r]
+    assert evaluated == [v for v in range(n_sft + 1, n_sft + 7) if v % 4 == 0]
+    assert [r["policy_version"] for r in rows if r["phase"] == "rollout"] == [n_sft, n_sft + 2, n_sft + 4]
+
+    # One checkpoint per round (the two newest kept), written by the learner; the final drafter is the last one's.
+    root = Path(result["run_dir"]) / "checkpoints"
+    kept = sorted(p.name for p in root.glob("v*-r*"))
+    assert kept == [f"v{n_sft + 4:06d}-r0002", f"v{n_sft + 6:06d}-r0003"]
+    state = json.loads((root / kept[-1] / "driver_state.json").read_text())
+    assert state["policy_version"] == n_sft + 6 and state["round"] == 3 and state["sft_done"]
+    _, _, last = read_checkpoint(root / kept[-1] / "drafter")
+    _, config, final = read_checkpoint(result["drafter"])
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    _, _, before = read_checkpoint(root / kept[0] / "drafter")
+    assert not torch.equal(before["fc.weight"], final["fc.weight"])  # the learner did train between them
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]

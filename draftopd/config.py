@@ -120,7 +120,7 @@ class SFTConfig:
 @dataclass
 class EvalConfig:
     num_draft_tokens: list[int] = field(default_factory=lambda: [4, 7])
-    """Chain lengths K to evaluate at."""
+    """Chain lengths K to evaluate at (Draft-OPD's periodic held-out eval uses the first)."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """Sampling temperatures to evaluate at."""
     max_new_tokens: int = 128
@@ -151,7 +151,7 @@ class RolloutConfig:
     batch_size: int = 8
     """Prompts a worker decodes together."""
     num_draft_tokens: int = 4
-    """K: drafts per verification step during rollouts."""
+    """K: drafts per verification step during rollouts (the rollout K only: see learner.replay_depth, eval)."""
     temperature: float = 0.0
     """Rollout temperature (0: greedy, as in the paper)."""
     max_new_tokens: int = 128
@@ -192,6 +192,8 @@ class LearnerConfig:
     """Error states per rank per OPD step."""
     max_seq_len: int = 384
     """Tokens kept per replayed trajectory."""
+    replay_depth: int = 0
+    """Chain depth the learner replays and scores per error state; 0: the rollout's K (rollout.num_draft_tokens)."""
     decay: float = 0.8
     """Per-position weight decay within a block (weight decay**offset)."""
     acc_coef: float = 1.0

@@ -38,6 +38,8 @@ SMALL = [
     "opd.checkpoint_every=1",
     "opd.num_eval_prompts=2",
     "eval.max_new_tokens=16",
+    "eval.num_draft_tokens=[3,5]",  # the periodic eval uses the first, not the rollout's K (4)
+    "learner.replay_depth=2",  # nor does the learner's replay
 ]
 
 
@@ -81,8 +83,13 @@ def test_driver_accounting_without_ray(tmp_path, clean_process_group):
     assert [r["policy_version"] for r in opd] == list(range(n_sft + 1, n_sft + 1 + 3 * 2))
     synced = [r["policy_version"] for r in opd if "sync_seconds" in r]
     assert synced == [v for v in range(n_sft + 1, n_sft + 7) if v % 2 == 0]
-    evaluated = [r["policy_version"] for r in opd if "eval/toy/tau" in r]
-    assert evaluated == [v for v in range(n_sft + 1, n_sft + 7) if v % 4 == 0]
+    evaluated = [r for r in rows if "eval/toy/tau" in r]
+    assert [r["policy_version"] for r in evaluated if r["phase"] == "opd"] == [
+        v for v in range(n_sft + 1, n_sft + 7) if v % 4 == 0
+    ]
+    assert all("eval/toy/accept_pos_2" in r and "eval/toy/accept_pos_3" not in r for r in evaluated)
+    assert {r["replay_depth"] for r in opd} == {2}
+    assert all("rollout/accept_pos_3" in r for r in rows if r["phase"] == "rollout")  # rollouts at K=4
     assert [r["policy_version"] for r in rows if r["phase"] == "rollout"] == [n_sft, n_sft + 2, n_sft + 4]
 
     # One checkpoint per round (the two newest kept), written by the learner; the final drafter is the last one's.

@@ -52,7 +52,7 @@ def opd_phase(s: Session) -> None:
 
 def refresh_plot(s: Session) -> None:
     """Rollout tau and held-out tau (with per-position acceptance, held-out) against policy version."""
-    k = s.cfg.rollout.num_draft_tokens
+    k = s.eval_k
     history = []
     for r in s.state.history:
         row = {"policy_version": r["policy_version"], "tau_ceiling": k + 1}
@@ -108,7 +108,7 @@ def run_opd(cfg: Config, argv: list[str] | None = None, runtime=None) -> dict:
         raise
     last = next(r for r in reversed(state.history) if "eval/toy/tau" in r)
     print(
-        f"held-out tau = {last['eval/toy/tau']:.3f} (K={cfg.rollout.num_draft_tokens}, policy version "
+        f"held-out tau = {last['eval/toy/tau']:.3f} (K={s.eval_k}, policy version "
         f"{state.policy_version}); MLflow run {state.mlflow_run_id}"
     )
     return {

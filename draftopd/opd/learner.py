@@ -178,7 +178,7 @@ class DraftLearner:
         batch = build_replay_batch(states, t2d, depth, decay, max_len, accepted_rows=loss_cfg.accepted_rows)
         batch = to_device(batch, self.device)
         loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
-        return self._apply(loss, metrics, lr)
+        return self._apply(loss, {**metrics, "replay_depth": depth}, lr)
 
     def _initial_drafter(self):
         from draftopd.drafters import load_drafter, new_drafter

@@ -118,6 +118,7 @@ class Session:
             think,
         )
         self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt)
+        self.eval_k = cfg.eval.num_draft_tokens[0]  # the periodic held-out eval's K (the eval section's first)
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
 
@@ -260,7 +261,13 @@ class Session:
         loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
         t0 = time.perf_counter()
         m = self._learner_call(
-            "opd_step", samples, self.cfg.rollout.num_draft_tokens, lc.decay, lc.max_seq_len, loss_cfg, lc.lr
+            "opd_step",
+            samples,
+            lc.replay_depth or self.cfg.rollout.num_draft_tokens,
+            lc.decay,
+            lc.max_seq_len,
+            loss_cfg,
+            lc.lr,
         )
         m["learner/samples_per_s"] = n * lc.batch_size / (time.perf_counter() - t0)
         return m
@@ -288,7 +295,7 @@ class Session:
             raise TrainingError(f"a learner rank died during {what} ({_first_line(exc)})") from None
 
     def evaluate(self) -> dict:
-        k = self.cfg.rollout.num_draft_tokens
+        k = self.eval_k
         sampling = SamplingConfig(self.cfg.eval.max_new_tokens, 0.0, k, self.cfg.run.seed)
         refs = self._generate(self.eval_prompts, list(range(len(self.eval_prompts))), sampling, True)
         stats = acceptance_stats([t for chunk in self.rt.get(refs) for t in chunk], k)

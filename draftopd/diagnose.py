@@ -18,21 +18,21 @@ from draftopd.sft.trainer import SFTExample, collate
 
 def drift_profile(target, drafter, examples: list[SFTExample], depth: int, max_len: int = 512) -> dict:
     """Per depth: mean attention mass on own drafts, on the target's context, and the fed-forward state norm."""
+    if drafter.kind != "eagle3":
+        raise ValueError(f"attention drift is measured along EAGLE-3 chains; this is a '{drafter.kind}' drafter")
     batch = collate(examples, max_len)
     n = batch.input_ids.shape[1]
     with torch.no_grad():
         out = target.forward(batch.input_ids, torch.arange(n).expand_as(batch.input_ids))
         trace: list[dict] = []
-        drafter.ttt_forward(
-            batch.input_ids, out.aux_hidden.to(drafter.embed.weight.dtype), batch.valid, depth, trace=trace
-        )
+        drafter.ttt_forward(batch.input_ids, drafter.features(out), batch.valid, depth, trace=trace)
     rows = batch.loss_pos[:, : n - 1]  # rows that start a chain inside a response
     own, norm = [], []
     for d, t in enumerate(trace):
         live = rows[:, : n - 1 - d]  # a chain of depth d needs d more tokens after the row
         own.append(t["own_mass"][:, : n - 1 - d][live].float().mean().item())
         norm.append(t["state_norm"][:, : n - 1 - d][live].float().mean().item())
-    fused = drafter.fuse(out.aux_hidden.to(drafter.embed.weight.dtype)[:, : n - 1])[rows].norm(dim=-1).mean().item()
+    fused = drafter.fuse(drafter.features(out)[:, : n - 1])[rows].norm(dim=-1).mean().item()
     return {
         "depth": list(range(1, len(own) + 1)),
         "attention_on_own_drafts": own,

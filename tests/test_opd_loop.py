@@ -60,6 +60,24 @@ def _checkpoint_state(run_dir: Path) -> dict:
     return json.loads((ckpt / "driver_state.json").read_text())
 
 
+def _learner_pids(ray_session, driver_pid: int) -> list[int]:
+    """PIDs of the live DraftLearner actors of the Ray job whose driver process is `driver_pid`, as Ray reports
+    them: the test kills only the processes of the run it started.
+
+    Read from the GCS tables: the public state API (ray.util.state) needs the dashboard, which this Ray session
+    runs without.
+    """
+    from ray._private.state import state
+
+    jobs = {j["JobID"] for j in state.job_table() if j["DriverPid"] == driver_pid and not j["IsDead"]}
+    actors = state.actor_table(None).values()
+    return [
+        a["Pid"]
+        for a in actors
+        if a["JobID"] in jobs and a["ActorClassName"] == "DraftLearner" and a["State"] == "ALIVE" and a["Pid"]
+    ]
+
+
 @pytest.fixture(scope="module")
 def opd_run(ray_session, tmp_path_factory):
     """Three rounds and two crashes: the driver is SIGKILLed after round 1, then the learners after round 2.
@@ -79,10 +97,11 @@ def opd_run(ray_session, tmp_path_factory):
     killed_at = _checkpoint_state(run_dir)
 
     driver = subprocess.Popen([str(DRAFTOPD), "train", str(run_dir)], **pipes)  # a run directory resumes
+    _wait_for(lambda: len(_learner_pids(ray_session, driver.pid)) == 2, 600, driver)
+    learners = _learner_pids(ray_session, driver.pid)  # alive until killed: the driver does not restart learners
     _wait_for(lambda: _checkpoint_state(run_dir)["round"] >= 2, 600, driver)
-    learners = subprocess.run(["pgrep", "-f", "ray::DraftLearner"], capture_output=True, text=True).stdout.split()
     for pid in learners:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     _, learner_stderr = driver.communicate(timeout=300)
 
     cfg = load_config(RECIPE, [*args, "run.resume=true"])
@@ -140,10 +159,11 @@ def test_crashes_resume_into_the_same_run(opd_run):
 
 
 def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
-    import os
-    import signal
-    import time
+    """A worker that dies with a generate call in flight is restarted; the call is redone there, to the same result.
 
+    The worker is frozen (SIGSTOP) before the call is sent and killed while frozen, so the call is in flight when
+    it dies on every machine, however fast; a kill after a fixed sleep could come after the call had returned.
+    """
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.engine.speculative import SamplingConfig
     from draftopd.loading import load_tokenizer
@@ -154,13 +174,19 @@ def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
     )
     [worker] = rollout_actors(cfg, [2])
     prompts = encode_chats(load_tokenizer("toy"), toy_prompts("held_out", 8))
+    call = (prompts, list(range(8)), SamplingConfig(96), None, 2)
     pid = ray_session.get(worker.pid.remote())
-    ref = worker.generate.remote(prompts, list(range(8)), SamplingConfig(96), None, 2)
-    time.sleep(3)
+    os.kill(pid, signal.SIGSTOP)
+    ref = worker.generate.remote(*call)
+    ready, _ = ray_session.wait([ref], timeout=1)
+    assert not ready  # a frozen worker cannot have answered
     os.kill(pid, signal.SIGKILL)
     trajs = ray_session.get(ref, timeout=300)
-    assert [t.prompt_index for t in trajs] == list(range(8)) and all(t.output_ids for t in trajs)
     assert ray_session.get(worker.pid.remote()) != pid
+    assert [t.prompt_index for t in trajs] == list(range(8)) and all(t.output_ids for t in trajs)
+    again = ray_session.get(worker.generate.remote(*call), timeout=300)  # greedy: an undisturbed call
+    assert [t.output_ids for t in trajs] == [t.output_ids for t in again]
+    ray_session.kill(worker)
 
 
 def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):

@@ -193,8 +193,10 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
     """A NaN in the replayed records gives a NaN loss: the step is skipped and counted, weights unchanged."""
     import math
 
-    import numpy as np
+    import torch
 
+    from draftopd.config import DrafterConfig
+    from draftopd.drafters import save_drafter
     from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
     from draftopd.messages import ErrorState
     from draftopd.opd.learner import DraftLearner, LearnerSpec
@@ -202,11 +204,8 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
 
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
-    state = {
-        k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in drafter.checkpoint_state().items()
-    }
-    cfg = drafter.cfg.to_hf()
-    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float64", cfg, state, lr=1e-2)
+    init = str(save_drafter(drafter, tmp_path / "drafter"))
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float64", DrafterConfig(), init, lr=1e-2)
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
     trajs = SpeculativeEngine(target, drafter, [1]).generate([[3, 4, 5], [6, 7]], SamplingConfig(30, 0.0, 4), 0)
@@ -217,7 +216,8 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
     m = ray_session.get(learner.opd_step.remote(states, 4, 0.8, 128, OPDLossConfig()))
     assert m["skipped_nonfinite"] == 1 and m["num_nonfinite_total"] == 1
     after = ray_session.get(learner.weights.remote())
-    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert before["fc.weight"].dtype == torch.float64  # tensors travel in their own dtype
     ray_session.kill(learner)
 
 
@@ -245,43 +245,46 @@ def test_repeated_nonfinite_losses_stop_the_job(ray_session, tmp_path):
 
 def test_collective_weight_sync_reaches_every_worker(ray_session, tiny_pair, tmp_path):
     """Learner rank 0 broadcasts into two workers' drafters; a restarted worker refuses, and a new publish heals it."""
-    import numpy as np
+    import torch
 
+    from draftopd.config import DrafterConfig
+    from draftopd.drafters import save_drafter
     from draftopd.engine.speculative import SamplingConfig
     from draftopd.opd.learner import DraftLearner, LearnerSpec
     from draftopd.opd.rollout import RolloutWorker
+    from draftopd.opd.runtime import RayRuntime
     from draftopd.opd.weight_sync import CollectiveSync, StaleWeights
     from draftopd.sft.trainer import SFTExample
 
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
-    spec = LearnerSpec(
-        str(tmp_path / "tiny"), target.aux_layer_ids, "float32", drafter.cfg.to_hf(), drafter.numpy_state()
-    )
+    init = str(save_drafter(drafter, tmp_path / "drafter"))
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), init)
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(2, ("127.0.0.1", _free_port())))
     worker_cls = ray_session.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
     workers = [worker_cls.remote(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1, i) for i in (0, 1)]
-    sync = CollectiveSync("gloo", timeout_s=60)
+    sync = CollectiveSync(RayRuntime(), "gloo", timeout_s=60)
 
     def same_weights():
         want = ray_session.get(learner.weights.remote())
         got = ray_session.get([w.weights.remote() for w in workers])
-        return all(g is not None and all(np.array_equal(want[k], g[k]) for k in want) for g in got)
+        return all(g is not None and all(torch.equal(want[k], g[k].to(want[k].dtype)) for k in want) for g in got)
 
-    sync.publish([learner], workers, drafter.cfg.to_hf(), 0)
+    config = ray_session.get(learner.drafter_config.remote())
+    sync.publish([learner], workers, config, 0)
     assert same_weights()
     start = ray_session.get(learner.weights.remote())
     ray_session.get(learner.sft_step.remote([SFTExample([3, 4, 5, 6, 7, 8, 9, 10], 3)], 2, 0.8, 64, 0.05))
-    update = sync.publish([learner], workers, drafter.cfg.to_hf(), 1)
+    update = sync.publish([learner], workers, config, 1)
     assert same_weights() and ray_session.get(workers[0].apply_update.remote(update)) == 1
-    assert not np.array_equal(start["fc.weight"], ray_session.get(workers[1].weights.remote())["fc.weight"])
+    assert not torch.equal(start["fc.weight"], ray_session.get(workers[1].weights.remote())["fc.weight"])
 
     first_group = sync.group
     os.kill(ray_session.get(workers[1].pid.remote()), signal.SIGKILL)
     with pytest.raises(StaleWeights, match="holds policy version -1, not 1"):
         ray_session.get(workers[1].generate.remote([[3, 4, 5]], [0], SamplingConfig(8, 0.0, 2), update, 1))
-    sync.publish([learner], workers, drafter.cfg.to_hf(), 1)
+    sync.publish([learner], workers, config, 1)
     assert sync.group != first_group and same_weights()
     trajs = ray_session.get(workers[1].generate.remote([[3, 4, 5]], [0], SamplingConfig(8, 0.0, 2), update, 1))
     assert trajs[0].policy_version == 1 and trajs[0].output_ids
@@ -306,14 +309,13 @@ class _Peer:
 @pytest.mark.gpu
 def test_nccl_broadcast_between_two_gpus(ray_session, tiny_pair):
     """The GPU transport of CollectiveSync: the same functions over NCCL, one GPU per rank."""
-    import numpy as np
     import torch
 
     from draftopd.opd.weight_sync import manifest
 
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs (one per rank)")
-    state = tiny_pair[1].numpy_state()
+    state = tiny_pair[1].state()
     items = manifest(state)
     peers = [ray_session.remote(_Peer).options(num_cpus=0.25, num_gpus=1).remote() for _ in range(2)]
     port = _free_port()
@@ -321,4 +323,4 @@ def test_nccl_broadcast_between_two_gpus(ray_session, tiny_pair):
     _, got = ray_session.get(
         [peers[0].exchange.remote("nccl", items, state), peers[1].exchange.remote("nccl", items, None)]
     )
-    assert all(np.array_equal(state[k], got[k]) and got[k].dtype == state[k].dtype for k in state)
+    assert all(torch.equal(state[k], got[k]) and got[k].dtype == state[k].dtype for k in state)

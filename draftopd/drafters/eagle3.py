@@ -4,16 +4,21 @@ Layout and maths follow what vLLM's `llama_eagle3.py` loads and computes, so a
 checkpoint saved here is served as is:
 
 * `fc` fuses the concatenated aux states of the target ([B, T, n_aux * H_t] -> H);
-  with `fc_norm`, each aux state first goes through its own RMSNorm
+  with `norm_before_fc` one RMSNorm over the concatenation (`input_norm`) comes
+  first; with `fc_norm`, each aux state first goes through its own RMSNorm
   (`fc_norm.{i}.weight`), one of the two attention-drift fixes;
-* `midlayer`: the q/k/v input is `cat(input_layernorm(embed(token)), hidden_norm(state))`
-  (2H wide); the residual is the un-normed state; then a Llama MLP block;
+* `midlayer` (a Llama or Qwen3 layer, `eagle3_layers.py`): the q/k/v input is
+  `cat(input_layernorm(embed(token)), hidden_norm(state))` (2H wide); the
+  residual is the un-normed state, or the normed one with `norm_before_residual`;
+  then an MLP block;
 * `norm` then `lm_head` over the draft vocabulary; `d2t[i]` maps draft id i to
   target id `i + d2t[i]`, `t2d` marks target ids present in the draft vocabulary;
 * the state fed to the next chain step is the residual stream before `norm`,
   or after it with `norm_output` (the other drift fix).
 
-The token embedding is the target's, frozen and never saved with the drafter.
+The token embedding is the target's, frozen and not saved with the drafter,
+unless an imported checkpoint brought a different one of its own: that one is
+kept (frozen) and saved as `embed_tokens.weight`, which vLLM then loads.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import torch
 from torch import nn
 
 from draftopd.drafters.base import Pick
-from draftopd.drafters.eagle3_formats import FORMATS, export_drafter, read_config
-from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, attend_mask, rope_cos_sin
+from draftopd.drafters.eagle3_formats import FORMATS, export_state, import_state, read_config
+from draftopd.drafters.eagle3_layers import ROPE_TYPES, MidLayer
+from draftopd.models.layers import RMSNorm, at_least_fp32, attend_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -50,15 +56,29 @@ class Eagle3Config:
     norm_output: bool = False
     fc_norm: bool = False
     head_dim: int = 0  # 0: hidden_size // num_attention_heads; set it for targets whose heads are wider (Qwen3-4B)
+    model_type: str = "llama"  # the decoder layer: llama, or qwen3 (q_norm/k_norm)
+    norm_before_residual: bool = False  # the residual is the normed state (speculators, vLLM)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc (`input_norm`)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None  # {'rope_type': 'llama3' | 'yarn', ...} as in HF configs
 
     def __post_init__(self):
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.model_type not in ("llama", "qwen3"):
+            raise ValueError(f"EAGLE-3 drafter layers of type '{self.model_type}' are not supported (llama, qwen3)")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"rope scaling '{kind}' is not supported ({', '.join(ROPE_TYPES)})")
+        if kind == "default":
+            self.rope_scaling = None
 
     def to_hf(self, dtype: torch.dtype = torch.float32) -> dict:
         """config.json as vLLM and SGLang read it for `method: eagle3` (`torch_dtype`: the weights' dtype)."""
+        extra = {"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}
         return {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
+            "architectures": [ARCHITECTURE if self.model_type == "llama" else "Eagle3Qwen3ForCausalLM"],
+            "model_type": self.model_type,
             "num_hidden_layers": 1,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -73,16 +93,24 @@ class Eagle3Config:
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "num_aux_hidden_states": len(self.aux_layer_ids) or 3,
             "norm_output": self.norm_output,
             "fc_norm": self.fc_norm,
+            "norm_before_residual": self.norm_before_residual,
+            "norm_before_fc": self.norm_before_fc,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
+            **extra,
         }
 
     @classmethod
     def from_hf(cls, d: dict) -> Eagle3Config:
-        if ARCHITECTURE not in d.get("architectures", []) and d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"not an EAGLE-3 drafter config (architectures={d.get('architectures')})")
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{d['num_hidden_layers']} drafter layers: only one-layer EAGLE-3 drafters are supported")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         return cls(
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -93,52 +121,18 @@ class Eagle3Config:
             target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
             aux_layer_ids=list(d.get("eagle_aux_hidden_state_layer_ids") or []),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 10000.0),
+            rope_theta=theta,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             norm_output=bool(d.get("norm_output", False)),
             fc_norm=bool(d.get("fc_norm", False)),
             head_dim=d.get("head_dim") or 0,
+            model_type=d.get("model_type", "llama"),
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            norm_before_fc=bool(d.get("norm_before_fc", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            rope_scaling=rope or None,
         )
-
-
-class Attention(nn.Module):
-    """Self-attention whose q/k/v read the 2H-wide [embedding ; state] input."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.cfg = cfg
-        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
-
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """Rotated q [B, nh, T, D] and k, v [B, nh, T, D] (kv heads repeated for GQA)."""
-        b, t, _ = x.shape
-        hd, nh, nkv = self.cfg.head_dim, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-        q = self.q_proj(x).view(b, t, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, nkv, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, hd, self.cfg.rope_theta, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if nkv != nh:
-            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-        return q, k, v
-
-    def out(self, attn: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = attn.shape
-        return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-
-
-class MidLayer(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 @dataclass
@@ -152,11 +146,18 @@ class DrafterStep:
 
 
 class Eagle3Drafter(nn.Module):
-    """EAGLE-3 drafter. `embed_weight` is the target's embedding matrix (shared, frozen)."""
+    """EAGLE-3 drafter. `embed_weight` is the target's embedding matrix (frozen; `own_embedding`: the drafter's)."""
 
-    def __init__(self, cfg: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        embed_weight: torch.Tensor,
+        d2t: torch.Tensor | None = None,
+        own_embedding: bool = False,
+    ):
         super().__init__()
         self.cfg = cfg
+        self.own_embedding = own_embedding
         if embed_weight.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(
                 f"target embedding {tuple(embed_weight.shape)} does not match the drafter's "
@@ -165,6 +166,7 @@ class Eagle3Drafter(nn.Module):
         self.embed = nn.Embedding.from_pretrained(embed_weight.detach().clone(), freeze=True)
         n_aux = len(cfg.aux_layer_ids) or 3
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.input_norm = RMSNorm(n_aux * cfg.target_hidden_size, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc_norm = (
             nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(n_aux))
             if cfg.fc_norm
@@ -184,6 +186,8 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [B, T, n_aux * H_t] -> drafter state [B, T, H]."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
         if self.fc_norm is not None:
             chunks = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
@@ -191,8 +195,9 @@ class Eagle3Drafter(nn.Module):
 
     def _attn_input(self, input_ids: torch.Tensor, state: torch.Tensor):
         m = self.midlayer
-        x = torch.cat([m.input_layernorm(self.embed(input_ids)), m.hidden_norm(state)], dim=-1)
-        return x, state
+        normed = m.hidden_norm(state)
+        x = torch.cat([m.input_layernorm(self.embed(input_ids)), normed], dim=-1)
+        return x, normed if self.cfg.norm_before_residual else state
 
     def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor):
         """Everything after attention: residual adds, MLP, final norm, head; returns (logits, next state)."""
@@ -306,12 +311,15 @@ class Eagle3Drafter(nn.Module):
         return self.cfg.to_hf(dtype=self.fc.weight.dtype)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Weights under the names vLLM's EAGLE-3 loader expects (no embedding: it is the target's)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
+        """Weights under the names vLLM's EAGLE-3 loader expects; the embedding only when it is the drafter's own."""
+        out = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
+        if self.own_embedding:
+            out["embed_tokens.weight"] = self.embed.weight
+        return out
 
     @classmethod
     def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Eagle3Drafter:
-        """A drafter from a config.json dict and `state()` tensors, bound to `target`'s embedding."""
+        """A drafter from a config.json dict and tensors (any published naming), bound to `target`."""
         cfg = Eagle3Config.from_hf(config)
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"built for a vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}")
@@ -322,10 +330,17 @@ class Eagle3Drafter(nn.Module):
             )
         if cfg.aux_layer_ids and cfg.aux_layer_ids != target.aux_layer_ids:
             raise ValueError(f"reads target layers {cfg.aux_layer_ids}, target set to {target.aux_layer_ids}")
+        cfg.aux_layer_ids = list(target.aux_layer_ids)  # a checkpoint without ids reads the target's defaults
+        state = import_state(state)
         embed = target.embed_tokens().weight
-        drafter = cls(cfg, embed, d2t=state.get("d2t"))
+        own = state.pop("embed_tokens.weight", None)
+        if own is not None and torch.equal(own, embed.detach().to(own.dtype)):
+            own = None  # the target's own embedding, saved beside the drafter: shared again
+        elif own is not None:
+            print("drafter: its embedding differs from the target's: kept as the drafter's own")
+        drafter = cls(cfg, embed if own is None else own.to(embed.dtype), state.get("d2t"), own is not None)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("embed.")]
+        missing = [m for m in missing if not m.startswith("embed.") and "rotary" not in m]
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 weights: missing {missing}, unexpected {unexpected}")
         return drafter.to(embed.dtype)
@@ -340,12 +355,24 @@ class Eagle3Drafter(nn.Module):
 
     @staticmethod
     def read_config(raw: dict) -> dict:
-        """config.json in the vllm or speculators layout -> the vllm layout (FormatError when unreadable)."""
-        return read_config(raw)
+        """config.json in any published layout -> this project's (FormatError when unreadable)."""
+        cfg = read_config(raw)
+        Eagle3Config.from_hf(cfg)  # refuses layer types and rope scalings this module does not compute
+        return cfg
 
     @staticmethod
-    def export(src, fmt: str, out, verifier: str = "", num_draft_tokens: int = 4):
-        return export_drafter(src, fmt, out, verifier, num_draft_tokens)
+    def export(config: dict, tensors: dict, fmt: str, verifier: str = "", num_draft_tokens: int = 4):
+        """(config.json, tensors) in the serving layout `fmt` (eagle3_formats.py)."""
+        cfg = read_config(config)
+        Eagle3Config.from_hf(cfg)  # what cannot be computed here is not exported either
+        return export_state(cfg, import_state(tensors), fmt, verifier, num_draft_tokens)
+
+    @staticmethod
+    def describe(raw: dict, tensors: dict, target=None) -> list[str]:
+        """What `draftopd inspect` prints about a checkpoint (eagle3_inspect.py)."""
+        from draftopd.drafters.eagle3_inspect import describe
+
+        return describe(raw, tensors, target)
 
     @classmethod
     def new(cls, cfg, target, draft_to_target: torch.Tensor) -> Eagle3Drafter:

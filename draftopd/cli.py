@@ -97,10 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a drafter in a layout vLLM/SGLang (vllm) or speculators serve as is")
     p.add_argument("--drafter", required=True, help="drafter directory (either layout)")
-    p.add_argument("--format", choices=["vllm", "speculators"], default="vllm")
+    p.add_argument("--format", choices=["vllm", "sglang", "speculators"], default="vllm")
     p.add_argument("--out", required=True)
     p.add_argument("--verifier", default="", help="speculators: the target model's name or path")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="speculators: draft tokens per step")
+
+    p = sub.add_parser("inspect", help="a drafter checkpoint's family, layout, conventions, shapes and fit to a target")
+    p.add_argument("ckpt", help="drafter directory (any published layout)")
+    p.add_argument("--target", default="", help="target model (name or path) to check the drafter against")
 
     p = sub.add_parser("make-toy-target", help="rebuild the toy target model from scratch")
     p.add_argument("--out", required=True)
@@ -363,6 +367,14 @@ def cmd_export(args) -> None:
     print(f"{args.format} checkpoint: {out}")
 
 
+def cmd_inspect(args) -> None:
+    from draftopd.drafters import inspect_checkpoint
+    from draftopd.loading import load_target
+
+    target = load_target(args.target) if args.target else None
+    print("\n".join(inspect_checkpoint(args.ckpt, target)))
+
+
 def cmd_train(args) -> None:
     from draftopd.config import ConfigError, load_config
     from draftopd.sft.pipeline import run_sft
@@ -507,6 +519,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "diagnose": cmd_diagnose,
     "export": cmd_export,
+    "inspect": cmd_inspect,
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,

@@ -44,10 +44,36 @@ def family(kind: str):
     return FAMILIES[kind]
 
 
-def read_checkpoint(path: str | Path, kind: str = "") -> tuple[str, dict, dict[str, torch.Tensor]]:
-    """(kind, config in the family's own layout, tensors) of a drafter directory; `kind` given: it must match."""
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint directory: `model.safetensors`, sharded safetensors (by their index) or
+    `pytorch_model.bin` (read as plain tensors only, never arbitrary pickled objects)."""
     from safetensors.torch import load_file
 
+    p = Path(path)
+    if (p / "model.safetensors").is_file():
+        return load_file(str(p / "model.safetensors"))
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (p / index).is_file():
+            shards = sorted(set(json.loads((p / index).read_text())["weight_map"].values()))
+            return {k: v for s in shards for k, v in read_shard(p / s).items()}
+    if (p / "pytorch_model.bin").is_file():
+        return read_shard(p / "pytorch_model.bin")
+    raise LoadError(f"drafter {path}: no model.safetensors, sharded safetensors or pytorch_model.bin")
+
+
+def read_shard(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if file.suffix == ".safetensors":
+        return load_file(str(file))
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses pickled objects other than tensors
+        raise LoadError(f"drafter {file}: not a plain tensor file ({type(exc).__name__})") from None
+
+
+def read_raw(path: str | Path, kind: str = "") -> tuple[str, dict]:
+    """(kind, config.json as written) of a drafter directory; `kind` given: it must match."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise LoadError(f"drafter {path}: no config.json")
@@ -57,14 +83,18 @@ def read_checkpoint(path: str | Path, kind: str = "") -> tuple[str, dict, dict[s
         raise LoadError(f"drafter {path}: config.json is no drafter layout draftopd knows")
     if kind and found != kind:
         raise LoadError(f"drafter {path} is a '{found}' checkpoint, not '{kind}' (drafter.kind)")
-    cls = family(found)
-    if not (p / "model.safetensors").is_file():
-        raise LoadError(f"drafter {path}: no model.safetensors")
+    family(found)
+    return found, raw
+
+
+def read_checkpoint(path: str | Path, kind: str = "") -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """(kind, config in the family's own layout, tensors) of a drafter directory; `kind` given: it must match."""
+    found, raw = read_raw(path, kind)
     try:
-        config = cls.read_config(raw)
+        config = family(found).read_config(raw)
     except ValueError as exc:
         raise LoadError(f"drafter {path}: {exc}") from None
-    return found, config, load_file(str(p / "model.safetensors"))
+    return found, config, read_tensors(path)
 
 
 def load_drafter(path: str | Path, target, kind: str = ""):
@@ -103,12 +133,24 @@ def new_drafter(cfg, target, draft_to_target: torch.Tensor):
 
 
 def export_drafter(src: str | Path, fmt: str, out: str | Path, verifier: str = "", num_draft_tokens: int = 4) -> Path:
-    """`src` written to `out` in the serving layout `fmt` of its family (the weights copied byte for byte)."""
-    found, _, _ = read_checkpoint(src)
+    """`src` (any layout its family reads) written to `out` in the serving layout `fmt`, weights in their dtype."""
+    found, raw = read_raw(src)
     try:
-        return family(found).export(src, fmt, out, verifier, num_draft_tokens)
+        config, tensors = family(found).export(raw, read_tensors(src), fmt, verifier, num_draft_tokens)
     except ValueError as exc:
-        raise LoadError(str(exc)) from None
+        raise LoadError(f"drafter {src}: {exc}") from None
+    return write_checkpoint(config, tensors, out)
+
+
+def inspect_checkpoint(path: str | Path, target=None) -> list[str]:
+    """Lines describing a drafter directory: family, layout, conventions, shapes, fit to `target`."""
+    found, raw = read_raw(path)
+    tensors = read_tensors(path)
+    cls = family(found)
+    try:
+        return [f"family: {found}", *cls.describe(raw, tensors, target)]
+    except ValueError as exc:
+        raise LoadError(f"drafter {path}: {exc}") from None
 
 
 def export_formats(kind: str) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """Acceptance metrics from verification records, and timed runs with and without the drafter.
 
 tau (acceptance length) = tokens emitted per verification step, bonus included,
-i.e. the mean of (accepted + 1); its ceiling is K + 1. The per-position rate at
+i.e. the mean of (accepted + 1) except where the sequence ended inside a step
+(end-of-sequence or the token budget); its ceiling is K + 1. The per-position rate at
 position i is the fraction of steps whose draft i was accepted; the conditional
 rate divides by the steps that reached draft i (all drafts before it accepted).
 """
@@ -18,6 +19,7 @@ from draftopd.messages import SamplingConfig, Trajectory
 def acceptance_stats(trajs: list[Trajectory], k: int) -> dict:
     """tau, per-position rates and the histogram of accepted counts over all steps."""
     counts = [s.num_accepted for t in trajs for s in t.steps]
+    emitted = sum(len(s.emitted) for t in trajs for s in t.steps)  # a step cut by EOS or the budget emits less
     n = len(counts)
     if n == 0:
         return {"tau": float("nan"), "num_steps": 0}
@@ -25,7 +27,7 @@ def acceptance_stats(trajs: list[Trajectory], k: int) -> dict:
     reached = [sum(c >= i for c in counts) for i in range(k)]
     passed = [sum(c > i for c in counts) for i in range(k)]
     return {
-        "tau": sum(c + 1 for c in counts) / n,
+        "tau": emitted / n,
         "tau_ceiling": k + 1,
         "num_steps": n,
         "acceptance_per_position": [p / n for p in passed],

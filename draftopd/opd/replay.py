@@ -105,10 +105,12 @@ def build_replay_batch(
             if t < 0 or step.position > length - 1:
                 continue  # cut off by max_len
             used += 1
+            # Depth d sees the target's own text only while the drafts before it were accepted: past them
+            # (through a rejected draft, or beyond the block when the replay depth exceeds K) no label.
+            acc_w[row, a + 1 :, t] = 0.0
             for d in range(k):
                 if d:
                     depth_tokens[row, d, t] = step.draft_tokens[d - 1]
-                # Depth d sees the target's own text only while the drafts before it were accepted.
                 acc_w[row, d, t] = decay**d if d <= a and t + 2 + d <= length - 1 else 0.0  # label exists
                 if d >= a:
                     rej_w[row, d, t] = decay**d

@@ -1,0 +1,44 @@
+"""Correctness fixes of the Draft-OPD path: each test pins one bug found in review."""
+
+import pytest
+import torch
+
+from draftopd.evaluate import acceptance_stats
+from draftopd.messages import ErrorState, Trajectory, VerificationStep
+from draftopd.opd.replay import build_replay_batch
+
+
+def _traj(prompt_len: int, steps: list[tuple[int, int]], k: int, version: int = 0) -> Trajectory:
+    """A trajectory whose steps are (num_accepted, num_emitted); drafts are token 7, text is token 5."""
+    prompt = list(range(2, 2 + prompt_len))
+    out, recs = [5], []
+    for a, emitted in steps:
+        pos = len(prompt) + len(out)
+        recs.append(VerificationStep(pos, [7] * k, [-1.0] * k, [-2.0] * k, a, [5] * emitted))
+        out += [5] * emitted
+    return Trajectory(prompt, out, recs, policy_version=version, num_draft_tokens=k)
+
+
+def test_tau_counts_the_tokens_steps_emitted():
+    # The last step accepted 3 drafts but the sequence ended after 2 tokens (EOS or the budget).
+    traj = _traj(3, [(1, 2), (3, 2)], k=4)
+    stats = acceptance_stats([traj], 4)
+    assert stats["tau"] == pytest.approx((2 + 2) / 2)
+    assert stats["tau"] == pytest.approx(len(traj.output_ids[1:]) / len(traj.steps))
+
+
+@pytest.mark.parametrize("accepted_rows", ["all", "anchors"])
+@pytest.mark.parametrize("depth", [2, 4, 6])
+def test_replay_depths_past_the_accepted_drafts_carry_no_accepted_weight(accepted_rows, depth):
+    """At a step's anchor row, depth d > a went through a rejected draft (or past the block): no teacher label."""
+    k = 3
+    traj = _traj(4, [(0, 1), (2, 3), (3, 4), (1, 2), (0, 1)], k=k)
+    traj.output_ids += [5] * 12  # room for labels past every block
+    states = [ErrorState(traj, i, 0) for i in range(len(traj.steps))]
+    t2d = torch.arange(16)
+    batch = build_replay_batch(states, t2d, depth, 0.8, 512, accepted_rows=accepted_rows)
+    for s in states:
+        t, a = s.step.position - 2, s.step.num_accepted
+        assert all(batch.acc_weight[0, d, t] == 0 for d in range(a + 1, depth)), (a, depth)
+        assert all(batch.acc_weight[0, d, t] == pytest.approx(0.8**d) for d in range(min(a + 1, k, depth)))
+        assert all(batch.rej_weight[0, d, t] == 0 for d in range(k, depth))  # no draft there to score

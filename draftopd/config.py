@@ -359,6 +359,13 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"
         )
+    o, max_staleness = cfg.opd, cfg.buffer.max_staleness
+    if o.steps_per_round + o.sync_every > max_staleness:
+        # A round's states would go stale before its last learner step: the step would find none to replay.
+        raise ConfigError(
+            f"opd.steps_per_round + opd.sync_every ({o.steps_per_round} + {o.sync_every}) must not exceed "
+            f"buffer.max_staleness ({max_staleness})"
+        )
     if cfg.learner.num_gpus_per_learner not in (0, 1):
         # A rank computes on one device (opd/learner.py::learner_device); NCCL refuses two ranks on one GPU.
         raise ConfigError(

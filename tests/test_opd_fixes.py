@@ -42,3 +42,47 @@ def test_replay_depths_past_the_accepted_drafts_carry_no_accepted_weight(accepte
         assert all(batch.acc_weight[0, d, t] == 0 for d in range(a + 1, depth)), (a, depth)
         assert all(batch.acc_weight[0, d, t] == pytest.approx(0.8**d) for d in range(min(a + 1, k, depth)))
         assert all(batch.rej_weight[0, d, t] == 0 for d in range(k, depth))  # no draft there to score
+
+
+def test_a_learner_step_with_only_stale_states_is_skipped_and_counted():
+    """Every buffered state too old: the driver skips the learner step with a reason instead of an empty batch."""
+    from types import SimpleNamespace
+
+    from draftopd.config import Config
+    from draftopd.opd.buffer import ReplayBuffer
+    from draftopd.opd.runtime import InProcessHandle, InProcessRuntime
+    from draftopd.opd.session import DriverState, Session
+
+    class Learner:
+        def opd_step(self, states, *args):
+            assert states, "a learner was handed an empty batch"
+            return {"loss": 1.0, "skipped_nonfinite": 0}
+
+    cfg = Config()
+    buffer = ReplayBuffer(cfg.buffer)
+    buffer.add([_traj(4, [(0, 1), (1, 2)], k=3, version=0)])
+    s = SimpleNamespace(
+        cfg=cfg,
+        rt=InProcessRuntime(),
+        buffer=InProcessHandle(buffer),
+        learners=[InProcessHandle(Learner())],
+        state=DriverState(policy_version=cfg.buffer.max_staleness + 1),
+        nonfinite_in_a_row=0,
+        num_skipped_stale=0,
+    )
+    s._learner_call = lambda *a: Session._learner_call(s, *a)
+    s._learners_get = lambda *a: Session._learners_get(s, *a)
+    m = Session.opd_step(s)
+    assert m["learner/skipped_no_fresh_states"] == 1 and m["learner/num_skipped_no_fresh_states"] == 1
+    assert s.state.policy_version == cfg.buffer.max_staleness + 1 and len(buffer) == 0
+    assert Session.opd_step(s)["learner/num_skipped_no_fresh_states"] == 2
+
+
+def test_config_refuses_a_round_longer_than_the_staleness_window():
+    from draftopd.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["opd.steps_per_round=4", "opd.sync_every=2", "buffer.max_staleness=5"])
+    msg = str(err.value)
+    assert "\n" not in msg and all(k in msg for k in ("opd.steps_per_round", "opd.sync_every", "buffer.max_staleness"))
+    load_config(None, ["opd.steps_per_round=4", "opd.sync_every=2", "buffer.max_staleness=6"])

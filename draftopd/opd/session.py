@@ -124,6 +124,7 @@ class Session:
         self.eval_k = cfg.eval.num_draft_tokens[0]  # the periodic held-out eval's K (the eval section's first)
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
+        self.num_skipped_stale = 0  # learner steps skipped because the buffer held no fresh state
 
     # -- placement ---------------------------------------------------------------
 
@@ -258,8 +259,15 @@ class Session:
     def opd_step(self) -> dict:
         lc = self.cfg.learner
         n = len(self.learners)
+        self.rt.get(self.buffer.prune.remote(self.state.policy_version))
         if self.rt.get(self.buffer.stats.remote())["size"] == 0:
-            return {}
+            # Nothing fresh to replay (empty, or every state older than buffer.max_staleness): skip, counted.
+            self.num_skipped_stale += 1
+            tqdm.write(f"policy version {self.state.policy_version}: learner step skipped, no fresh error state")
+            return {
+                "learner/skipped_no_fresh_states": 1.0,
+                "learner/num_skipped_no_fresh_states": float(self.num_skipped_stale),
+            }
         samples = [self.buffer.sample.remote(lc.batch_size, self.state.policy_version) for _ in range(n)]
         loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
         t0 = time.perf_counter()

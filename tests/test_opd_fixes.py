@@ -86,3 +86,31 @@ def test_config_refuses_a_round_longer_than_the_staleness_window():
     msg = str(err.value)
     assert "\n" not in msg and all(k in msg for k in ("opd.steps_per_round", "opd.sync_every", "buffer.max_staleness"))
     load_config(None, ["opd.steps_per_round=4", "opd.sync_every=2", "buffer.max_staleness=6"])
+
+
+def test_distributed_sft_shuffles_each_epoch():
+    from types import SimpleNamespace
+
+    from draftopd.config import Config
+    from draftopd.opd.driver import sft_phase
+    from draftopd.opd.session import DriverState
+    from draftopd.sft.trainer import SFTExample
+
+    cfg = Config()
+    cfg.sft.epochs, cfg.sft.batch_size = 4, 3
+    examples = [SFTExample([1, 2, i], 2) for i in range(12)]
+    seen = []
+    s = SimpleNamespace(
+        cfg=cfg,
+        state=DriverState(),
+        target_responses=lambda: examples,
+        place_learners_for_start=lambda ex: None,
+        log=lambda metrics, phase: None,
+        sync=lambda: 0.0,
+        evaluate=lambda: {},
+        sft_step=lambda batch, step, total: seen.append([e.ids[-1] for e in batch]) or {},
+    )
+    sft_phase(s)
+    epochs = [sum(seen[i : i + 4], []) for i in range(0, 16, 4)]
+    assert len(seen) == 16 and all(sorted(e) == list(range(12)) for e in epochs)  # every example once per epoch
+    assert len({tuple(e) for e in epochs}) == 4  # in a new order each epoch

@@ -7,6 +7,7 @@ learner steps on replayed error states -> weight sync -> log, eval, checkpoint.
 from __future__ import annotations
 
 import json
+import random
 import sys
 
 from tqdm import tqdm
@@ -17,6 +18,17 @@ from draftopd.rundir import RunDir
 from draftopd.tracking import Tracker, acceptance_curve_plot
 
 
+def sft_batches(examples: list, batch_size: int, epochs: int, seed: int):
+    """Full batches, the examples shuffled afresh each epoch (seeded); fewer examples than a batch repeat."""
+    rng = random.Random(seed)
+    for _ in range(epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        order += order
+        for i in range(max(1, len(examples) // batch_size)):
+            yield [examples[j] for j in order[i * batch_size : (i + 1) * batch_size]]
+
+
 def sft_phase(s: Session) -> None:
     # target responses feed SFT and the draft vocabulary; a recipe that starts from a drafter and skips SFT needs none
     needed = s.cfg.sft.epochs > 0 or not s.cfg.drafter.init
@@ -25,9 +37,8 @@ def sft_phase(s: Session) -> None:
     s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_start")
     cfg = s.cfg.sft
     total = cfg.epochs * max(1, len(examples) // cfg.batch_size)
-    for step in tqdm(range(total), desc="SFT (TTT) on learners", unit="step"):
-        start = (step * cfg.batch_size) % len(examples)
-        batch = (examples + examples)[start : start + cfg.batch_size]
+    batches = sft_batches(examples, cfg.batch_size, cfg.epochs, s.cfg.run.seed)
+    for step, batch in enumerate(tqdm(batches, total=total, desc="SFT (TTT) on learners", unit="step")):
         s.log(s.sft_step(batch, step, total), "sft")
     s.state.sft_done = True
     s.log({"sync_seconds": s.sync(), **s.evaluate()}, "sft_end")

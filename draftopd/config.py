@@ -50,7 +50,7 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     kind: str = "eagle3"
-    """Drafter family (draftopd/drafters): `eagle3`. A checkpoint of another family is refused."""
+    """Drafter family (draftopd/drafters): `eagle3` or `dflash`. A checkpoint of another family is refused."""
     init: str = ""
     """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter."""
     hidden_size: int = 0
@@ -70,6 +70,12 @@ class DrafterConfig:
     """Attention-drift fix: the state fed to the next chain step is taken after the final norm."""
     fc_norm: bool = False
     """Attention-drift fix: an RMSNorm on each captured target state before the fusion layer."""
+    num_hidden_layers: int = 1
+    """DFlash: decoder layers of the drafter (EAGLE-3 has one)."""
+    block_size: int = 16
+    """DFlash: tokens per drafted block, the anchor and block_size - 1 mask tokens (drafts per step <= this - 1)."""
+    mask_token_id: int = -1
+    """DFlash: the vocabulary row the block's mask tokens use (an unused one, such as the tokenizer's `<|mask|>`)."""
 
 
 @dataclass
@@ -113,6 +119,9 @@ class SFTConfig:
     """Loss weight of depth d is depth_decay**d."""
     max_seq_len: int = 384
     """Prompt + response tokens kept per training sequence."""
+    num_anchors: int = 0
+    """Rows scored per sequence, drawn afresh each step among response rows (DFlash's random anchors; the family's
+    `score` must take `rows`); 0: every row."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
 
@@ -359,6 +368,13 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"
         )
+    from draftopd.data.io import PromptError
+    from draftopd.data.prompts import check_distinct_sources
+
+    try:
+        check_distinct_sources(cfg.data.prompts, cfg.data.eval_prompts)
+    except PromptError as exc:
+        raise ConfigError(str(exc)) from None
     o, max_staleness = cfg.opd, cfg.buffer.max_staleness
     if o.steps_per_round + o.sync_every > max_staleness:
         # A round's states would go stale before its last learner step: the step would find none to replay.

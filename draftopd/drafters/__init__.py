@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from draftopd.drafters.dflash import DFlashDrafter
 from draftopd.drafters.eagle3 import Eagle3Drafter
 from draftopd.loading import LoadError
 
-FAMILIES = {"eagle3": Eagle3Drafter}
+FAMILIES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
 
 
 def detect_kind(config: dict) -> str:

@@ -11,6 +11,9 @@ hold the drafter's prediction of token t + 2 + d when its context ends at token
 t + 1 and its own drafts sit at t + 2 .. t + 1 + d. `depth_tokens[:, d, t]`
 (d >= 1) names the draft fed at depth d (default: teacher-forced text), so
 replaying a recorded step's drafts at its row reproduces the rollout exactly.
+A family whose rows are independent (DFlash: one block per row) also takes
+`rows` [B, R], the only rows to compute, and then returns [B, D, R, Vd]: SFT
+scores a fresh random subset of rows each step this way (`sft.num_anchors`).
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ class Drafter(Protocol):
     def features(self, out) -> torch.Tensor | None:
         """What `score` reads from a TargetOutput of the whole sequence."""
 
-    def score(self, input_ids, features, valid, depth: int, depth_tokens=None) -> torch.Tensor:
-        """Logits [B, D, n, Vd] on the shared (row, depth) grid (module docstring)."""
+    def score(self, input_ids, features, valid, depth: int, depth_tokens=None, rows=None) -> torch.Tensor:
+        """Logits [B, D, n, Vd] on the shared (row, depth) grid; with `rows` [B, R], [B, D, R, Vd] (optional)."""
 
     def config(self) -> dict[str, Any]: ...
 

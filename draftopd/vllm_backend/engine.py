@@ -69,29 +69,27 @@ class VllmEngine:
         check_install()
         if record:
             check_internals()
-        from vllm import LLM
+        from draftopd.drafters import family
+        from draftopd.vllm_backend.stock import LlmSettings, build_llm
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
-        spec = None
-        if drafter_dir:
-            spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_draft_tokens}
+        spec = family("eagle3").speculative_config(drafter_dir, num_draft_tokens) if drafter_dir else None
         self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
         self.has_drafter = spec is not None
+        settings = LlmSettings(
+            str(target_dir),
+            speculative_config=spec,
+            dtype=dtype,
+            seed=seed,
+            memory_fraction=memory_fraction,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
+            enable_prefix_caching=enable_prefix_caching,
+        )
         # the extension also reloads drafter weights, so it is loaded even when nothing is recorded
         kwargs = {"per_request_spec_decode_metrics": "detailed"} if record and spec else {}
         try:
-            self.llm = LLM(
-                model=str(target_dir),
-                dtype=dtype,
-                max_model_len=max_model_len,
-                speculative_config=spec,
-                seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=memory_fraction,  # on CPU: the share of host memory vLLM may take
-                enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
-                worker_extension_cls=EXTENSION,
-                **kwargs,
-            )
+            self.llm = build_llm(settings, worker_extension_cls=EXTENSION, **kwargs)
         except Exception as exc:  # vLLM's config errors do not pickle, so they would not cross a Ray actor boundary
             raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
         if record:
@@ -99,37 +97,31 @@ class VllmEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, policy_version: int = -1) -> list:
         """Decode every prompt in one vLLM batch; one Trajectory each, in order, with its steps when recording."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from draftopd.vllm_backend.stock import completion_ids, generate
 
         if self.has_drafter and sampling.num_draft_tokens != self.num_draft_tokens:
             raise ValueError(
                 f"this engine drafts K={self.num_draft_tokens} tokens per step (fixed when vLLM starts), "
                 f"not {sampling.num_draft_tokens}"
             )
-        params = SamplingParams(
-            temperature=sampling.temperature,
-            max_tokens=sampling.max_new_tokens,
-            stop_token_ids=self.eos,
-            seed=sampling.seed if sampling.temperature > 0 else None,
-        )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        seed = sampling.seed if sampling.temperature > 0 else None
+        ids, outs = generate(self.llm, prompts, self.eos, sampling.temperature, sampling.max_new_tokens, seed)
+        # the hook keys its records by the request ids vLLM's workers see, which are the ones `generate` returns
         records = self.llm.collective_rpc("draftopd_records")[0] if self.record else {}
-        by_id = _records_by_request(records)
         k = self.num_draft_tokens if self.has_drafter else 0
         trajs = []
-        for p, out in zip(prompts, outs):
-            comp = out.outputs[0]
+        for p, rid, out in zip(prompts, ids, outs, strict=True):
+            output_ids, finish_reason = completion_ids(out.outputs[0], self.eos)
             traj = Trajectory(
                 prompt_ids=list(p),
-                output_ids=list(comp.token_ids),
-                finish_reason=_finish(comp.finish_reason),
+                output_ids=output_ids,
+                finish_reason=finish_reason,
                 policy_version=policy_version if self.has_drafter else -1,
                 temperature=sampling.temperature,
                 num_draft_tokens=k,
             )
             if self.has_drafter and self.record:
-                traj.steps = _steps(traj, by_id.get(out.request_id, []), _metrics(out))
+                traj.steps = _steps(traj, records.get(rid, []), _metrics(out))
             trajs.append(traj)
         return trajs
 
@@ -148,18 +140,6 @@ class VllmEngine:
     def shutdown(self) -> None:
         """Stop vLLM's engine process now (it is not reliably stopped by garbage collection alone)."""
         self.llm.llm_engine.engine_core.shutdown()
-
-
-def _finish(reason: str | None) -> str:
-    return {"stop": "stop", "length": "length"}.get(reason or "", reason or "")
-
-
-def _records_by_request(records: dict) -> dict:
-    """The hook keys records by vLLM's internal request id (the public id plus a suffix): index both ways."""
-    out = dict(records)
-    for rid, steps in records.items():
-        out.setdefault(rid.split("-")[0], steps)
-    return out
 
 
 def _metrics(out) -> dict | None:

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 EXTENSION = "draftopd.vllm_backend.hook.RecordingExtension"
 TESTED_VLLM = "0.32.0"
-PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID in the rejection sampler's output
+PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: the rejection sampler's filler after a rejected draft
 
 
 class VllmInternalsError(RuntimeError):
@@ -49,6 +49,7 @@ def check_internals() -> None:
 
     try:
         from vllm.model_executor.model_loader import reload
+        from vllm.v1.sample import rejection_sampler
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -56,6 +57,8 @@ def check_internals() -> None:
         _fail(f"a module ({exc.name})")
     if list(inspect.signature(GPUModelRunner._sample).parameters)[1:] != ["logits", "spec_decode_metadata"]:
         _fail("GPUModelRunner._sample(logits, spec_decode_metadata)")
+    if getattr(rejection_sampler, "PLACEHOLDER_TOKEN_ID", None) != PLACEHOLDER:  # what `emitted` filters out
+        _fail(f"vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID = {PLACEHOLDER}")
     if not hasattr(SpecDecodeBaseProposer, "propose"):
         _fail("SpecDecodeBaseProposer.propose")
     fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
@@ -88,7 +91,8 @@ class RecordingExtension:
         return state["has_drafter"]
 
     def draftopd_records(self) -> dict:
-        """Recorded steps per request id, then forgotten: {req_id: [[drafts, target_lp, draft_lp, n_acc, emitted]]}."""
+        """Recorded steps, then forgotten: {req_id: [[drafts, target_lp, draft_lp, n_acc, emitted]]}, keyed by the
+        request ids of the worker's input batch, which are those `LLM.enqueue` returns."""
         state = self.model_runner._draftopd
         out = {rid: steps for rid, steps in state["steps"].items()}
         state["steps"].clear()

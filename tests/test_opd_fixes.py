@@ -114,3 +114,34 @@ def test_distributed_sft_shuffles_each_epoch():
     epochs = [sum(seen[i : i + 4], []) for i in range(0, 16, 4)]
     assert len(seen) == 16 and all(sorted(e) == list(range(12)) for e in epochs)  # every example once per epoch
     assert len({tuple(e) for e in epochs}) == 4  # in a new order each epoch
+
+
+def test_toy_held_out_prompts_are_disjoint_from_training_by_text():
+    import json
+
+    from draftopd.toy.corpus import build_corpus, prompt_only
+
+    train, held = build_corpus(num_arithmetic=4000, seed=1000)  # as toy_prompts builds it for seed 0
+    text = lambda s: json.dumps(prompt_only(s))  # noqa: E731
+    train_texts = {text(s) for s in train}
+    assert not [s.key for s in held if text(s) in train_texts]
+    assert sum(s.domain == "code" for s in held) > 300  # the held-out code prompts are still there
+
+
+def test_one_prompt_file_as_both_splits_is_refused_unless_lines_name_them(tmp_path):
+    import json
+
+    from draftopd.config import ConfigError, load_config
+    from draftopd.data.prompts import load_prompts
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(4)))
+    both = [f"data.prompts={f}", f"data.eval_prompts={f}"]
+    with pytest.raises(ConfigError, match="data.prompts and data.eval_prompts") as err:
+        load_config(None, both)
+    assert "\n" not in str(err.value)
+    lines = [{"prompt": f"q{i}", "split": "train" if i % 2 else "held_out"} for i in range(4)]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = load_config(None, both)
+    train, held = load_prompts(cfg.data.prompts, "train", 10), load_prompts(cfg.data.eval_prompts, "held_out", 10)
+    assert [c[0]["content"] for c in train] == ["q1", "q3"] and [c[0]["content"] for c in held] == ["q0", "q2"]

@@ -3,6 +3,8 @@
 A prompt file is JSONL, one object per line: `{"prompt": "..."}` (a single user
 turn) or `{"messages": [{"role": ..., "content": ...}, ...]}` (a chat whose last
 turn is answered). A malformed line is a `PromptError` naming the file and line.
+A line may name its split (`"split": "train"` or `"held_out"`): then one file can
+serve as both `data.prompts` and `data.eval_prompts`, each reading its own lines.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def _parse_line(obj, where: str) -> list[dict[str, str]]:
     raise PromptError(f"{where}: needs a string 'prompt' or a 'messages' list (keys: {sorted(obj)})")
 
 
-def read_prompt_file(path: str | Path) -> list[list[dict[str, str]]]:
-    """All chats in a JSONL prompt file; blank lines are skipped."""
+def read_prompt_file(path: str | Path, split: str | None = None) -> list[list[dict[str, str]]]:
+    """All chats in a JSONL prompt file; blank lines are skipped. With `split`, a line that names a split is
+    kept only in its own (`train`, or held-out for any other name, as pools split)."""
     p = Path(path)
     if not p.is_file():
         raise PromptError(f"prompt file {p} not found")
@@ -49,6 +52,9 @@ def read_prompt_file(path: str | Path) -> list[list[dict[str, str]]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise PromptError(f"{p}:{n}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if split is not None and isinstance(obj, dict) and "split" in obj:
+                if (obj["split"] == "train") != (split == "train"):
+                    continue
             chats.append(_parse_line(obj, f"{p}:{n}"))
     if not chats:
         raise PromptError(f"prompt file {p} has no prompts")
@@ -89,4 +95,22 @@ def load_prompts(spec: str, split: str, limit: int, seed: int = 0) -> list[list[
         from draftopd.data.pool import pool_prompts
 
         return pool_prompts(spec, split)[:limit]
-    return read_prompt_file(spec)[:limit]
+    return read_prompt_file(spec, split)[:limit]
+
+
+def check_distinct_sources(prompts: str, eval_prompts: str) -> None:
+    """One JSONL file as both training and held-out prompts is refused unless every line names its split."""
+    p, q = Path(prompts), Path(eval_prompts)
+    if prompts == "toy" or not p.is_file() or not q.is_file() or p.resolve() != q.resolve():
+        return
+    with p.open(encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        if lines and all("split" in json.loads(line) for line in lines):
+            return
+    except (json.JSONDecodeError, TypeError):
+        pass  # a malformed line is reported where the file is read
+    raise PromptError(
+        f"{p} is both data.prompts and data.eval_prompts: the held-out prompts would be training prompts; "
+        'give each line a "split" ("train" or "held_out") or a held-out file of its own'
+    )

@@ -10,13 +10,16 @@ so the toy target learns from two sources it can always rebuild bit for bit:
   by name with thinking off: copying the header is easy, the body is uncertain.
 
 Every sample is a chat (a list of `{"role", "content"}` messages); the held-out
-split is by a hash of the sample's identity, so it never overlaps training.
+split is by a hash of the sample's identity, and a held-out prompt whose text a
+training prompt repeats (same-named functions of one module) is dropped, so it
+never overlaps training.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import random
 import sysconfig
 from collections.abc import Iterator
@@ -161,7 +164,8 @@ def build_corpus(num_arithmetic: int, seed: int = 0) -> tuple[list[Sample], list
     rng = random.Random(seed)
     samples = list(code_samples()) + [arithmetic_sample(rng) for _ in range(num_arithmetic)]
     train = [s for s in samples if not is_held_out(s.key)]
-    held = [s for s in samples if is_held_out(s.key)]
+    seen = {json.dumps(prompt_only(s)) for s in train}  # only the held-out side loses duplicates
+    held = [s for s in samples if is_held_out(s.key) and json.dumps(prompt_only(s)) not in seen]
     return train, held
 
 

@@ -375,13 +375,6 @@ def _check_choices(cfg: Config) -> None:
         check_distinct_sources(cfg.data.prompts, cfg.data.eval_prompts)
     except PromptError as exc:
         raise ConfigError(str(exc)) from None
-    from draftopd.data.io import PromptError
-    from draftopd.data.prompts import check_distinct_sources
-
-    try:
-        check_distinct_sources(cfg.data.prompts, cfg.data.eval_prompts)
-    except PromptError as exc:
-        raise ConfigError(str(exc)) from None
     o, max_staleness = cfg.opd, cfg.buffer.max_staleness
     if o.steps_per_round + o.sync_every > max_staleness:
         # A round's states would go stale before its last learner step: the step would find none to replay.

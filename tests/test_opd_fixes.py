@@ -145,3 +145,35 @@ def test_one_prompt_file_as_both_splits_is_refused_unless_lines_name_them(tmp_pa
     cfg = load_config(None, both)
     train, held = load_prompts(cfg.data.prompts, "train", 10), load_prompts(cfg.data.eval_prompts, "held_out", 10)
     assert [c[0]["content"] for c in train] == ["q1", "q3"] and [c[0]["content"] for c in held] == ["q0", "q2"]
+
+
+def test_opd_reuses_a_prepared_pools_responses(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from draftopd.config import Config
+    from draftopd.loading import resolve_target_path
+    from draftopd.opd.session import Session
+
+    rows = [{"messages": [{"role": "user", "content": "q"}], "input_ids": [3, 4, 5, 6], "prompt_len": 2}]
+    rows.append({**rows[0], "input_ids": [3, 4, 9, 9, 9]})
+    (tmp_path / "train-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"messages": rows[0]["messages"]}) + "\n")
+    manifest = {
+        "complete": True,
+        "target": str(resolve_target_path("toy").resolve()),
+        "template": {"enable_thinking": True},
+        "generation": {"backend": "native", "temperature": 0.0},
+        "shards": [{"file": "train-00000.jsonl"}],
+        "heldout": {"file": "heldout.jsonl"},
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    cfg = Config()
+    cfg.data.prompts = str(tmp_path)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the pool's responses should have been used")
+
+    s = SimpleNamespace(cfg=cfg, _generate=no_generation, train_prompts=[[3, 4], [3, 4]])
+    examples = Session.target_responses(s)
+    assert [(e.ids, e.prompt_len) for e in examples] == [([3, 4, 5, 6], 2), ([3, 4, 9, 9, 9], 2)]

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftopd.config import Config, to_dict
+from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.evaluate import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer
@@ -198,6 +199,10 @@ class Session:
 
     def target_responses(self) -> list[SFTExample]:
         d = self.cfg.data
+        # A pool made by `draftopd prepare-data` for this target and template already holds the target's responses.
+        pooled = pool_trajectories(d.prompts, self.cfg.target.path, d.enable_thinking, d.num_train_prompts)
+        if pooled is not None:
+            return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in pooled]
         sampling = SamplingConfig(d.max_new_tokens, d.response_temperature, 0, self.cfg.run.seed)
         indices = list(range(len(self.train_prompts)))
         refs = self._generate(self.train_prompts, indices, sampling, False, "target responses")

@@ -197,6 +197,10 @@ class LearnerConfig:
     """DeepSpeed ZeRO stage, 0-3."""
     lr: float = 5e-4
     """AdamW learning rate of the OPD phase (the SFT phase uses sft.lr)."""
+    lr_schedule: str = "constant"
+    """OPD learning-rate schedule over the phase's learner steps: `constant` (lr after any warm-up) or `cosine`."""
+    warmup_ratio: float = 0.0
+    """Fraction of the OPD phase's learner steps warming the lr up linearly (0: none)."""
     batch_size: int = 8
     """Error states per rank per OPD step."""
     max_seq_len: int = 384
@@ -228,6 +232,9 @@ class OPDConfig:
     """Rollout rounds; each is followed by `steps_per_round` learner steps."""
     steps_per_round: int = 2
     """Learner steps per rollout round."""
+    accumulate_rounds: int = 1
+    """Rollout rounds per learner phase: its `steps_per_round` steps follow every this many rounds and each draws
+    this many times learner.batch_size states (the reference steps once per 10 rollouts)."""
     sync_every: int = 1
     """Publish the drafter to the rollout workers every this many learner steps."""
     eval_every: int = 4
@@ -352,6 +359,7 @@ CHOICES = {
     "sync.backend": ("object_store", "nccl", "gloo"),
     "learner.accepted_divergence": ("forward_kl", "jsd", "tv", "bernoulli_fkl"),
     "learner.accepted_rows": ("all", "anchors"),
+    "learner.lr_schedule": ("constant", "cosine"),
     "buffer.sampling": ("uniform", "error_weighted"),
 }
 
@@ -376,6 +384,8 @@ def _check_choices(cfg: Config) -> None:
     except PromptError as exc:
         raise ConfigError(str(exc)) from None
     o, max_staleness = cfg.opd, cfg.buffer.max_staleness
+    if o.accumulate_rounds < 1:
+        raise ConfigError(f"opd.accumulate_rounds={o.accumulate_rounds} must be at least 1")
     if o.steps_per_round + o.sync_every > max_staleness:
         # A round's states would go stale before its last learner step: the step would find none to replay.
         raise ConfigError(

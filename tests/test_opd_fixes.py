@@ -177,3 +177,63 @@ def test_opd_reuses_a_prepared_pools_responses(tmp_path):
     s = SimpleNamespace(cfg=cfg, _generate=no_generation, train_prompts=[[3, 4], [3, 4]])
     examples = Session.target_responses(s)
     assert [(e.ids, e.prompt_len) for e in examples] == [([3, 4, 5, 6], 2), ([3, 4, 9, 9, 9], 2)]
+
+
+def test_opd_lr_schedule_defaults_to_todays_constant_lr():
+    from types import SimpleNamespace
+
+    from draftopd.config import load_config
+    from draftopd.opd.session import Session
+
+    s = SimpleNamespace(cfg=load_config(None, ["learner.lr=1e-3"]))
+    assert [Session.opd_lr(s, i, 10) for i in range(10)] == [1e-3] * 10
+    s.cfg = load_config(None, ["learner.lr=1e-3", "learner.warmup_ratio=0.2"])
+    assert [Session.opd_lr(s, i, 10) for i in range(4)] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
+    s.cfg = load_config(None, ["learner.lr=1e-3", "learner.warmup_ratio=0.2", "learner.lr_schedule=cosine"])
+    lrs = [Session.opd_lr(s, i, 10) for i in range(10)]
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3]) and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert 1e-4 <= lrs[-1] < 2e-4  # cosine towards 10% of the peak, as SFT
+
+
+def test_update_accumulation_over_rollout_rounds():
+    """opd.accumulate_rounds=N: learner steps after every N-th round, each on N rounds' worth of states."""
+    from types import SimpleNamespace
+
+    from draftopd.config import load_config
+    from draftopd.opd.buffer import ReplayBuffer
+    from draftopd.opd.driver import opd_phase
+    from draftopd.opd.runtime import InProcessHandle, InProcessRuntime
+    from draftopd.opd.session import DriverState, Session
+
+    over = ["opd.num_rounds=6", "opd.steps_per_round=2", "opd.accumulate_rounds=3", "learner.batch_size=2"]
+    cfg = load_config(None, [*over, "learner.lr_schedule=cosine", "opd.eval_every=1000", "opd.checkpoint_every=1000"])
+    events, got = [], []
+    s = SimpleNamespace(
+        cfg=cfg,
+        state=DriverState(),
+        eval_k=4,
+        rollout_round=lambda: events.append("rollout") or {},
+        buffer_stats=lambda: {},
+        log=lambda metrics, phase: None,
+        sync=lambda: 0.0,
+        evaluate=lambda: {},
+        opd_step=lambda step, total: events.append((step, total)) or {},
+    )
+    opd_phase(s)
+    r = "rollout"
+    assert events == [r, r, r, (0, 4), (1, 4), r, r, r, (2, 4), (3, 4)]
+
+    class Learner:
+        def opd_step(self, states, depth, decay, max_len, loss_cfg, lr):
+            got.append((len(states), lr))
+            return {"loss": 1.0, "skipped_nonfinite": 0}
+
+    buffer = ReplayBuffer(cfg.buffer)
+    buffer.add([_traj(4, [(0, 1)] * 8, k=3)])
+    s = SimpleNamespace(cfg=cfg, rt=InProcessRuntime(), buffer=InProcessHandle(buffer), state=DriverState())
+    s.learners, s.nonfinite_in_a_row, s.num_skipped_stale = [InProcessHandle(Learner())], 0, 0
+    s._learner_call = lambda *a: Session._learner_call(s, *a)
+    s._learners_get = lambda *a: Session._learners_get(s, *a)
+    s.opd_lr = lambda *a: Session.opd_lr(s, *a)
+    m = Session.opd_step(s, 3, 4)
+    assert got == [(6, Session.opd_lr(s, 3, 4))] and m["learner/lr"] == got[0][1] < cfg.learner.lr

@@ -46,10 +46,13 @@ def sft_phase(s: Session) -> None:
 
 def opd_phase(s: Session) -> None:
     o = s.cfg.opd
+    total = o.num_rounds // o.accumulate_rounds * o.steps_per_round  # learner steps of the phase (lr schedule)
     for _ in tqdm(range(s.state.round, o.num_rounds), desc="Draft-OPD rounds", unit="round"):
         s.log({**s.rollout_round(), **s.buffer_stats()}, "rollout")
-        for _ in range(o.steps_per_round):
-            metrics = s.opd_step()
+        phase = (s.state.round + 1) // o.accumulate_rounds - 1  # learner phases before this one
+        learns = (s.state.round + 1) % o.accumulate_rounds == 0  # after every accumulate_rounds-th round
+        for j in range(o.steps_per_round if learns else 0):
+            metrics = s.opd_step(phase * o.steps_per_round + j, total)
             if s.state.policy_version % o.sync_every == 0:
                 metrics["sync_seconds"] = s.sync()
             if s.state.policy_version % o.eval_every == 0:

@@ -261,9 +261,18 @@ class Session:
             "rollout/error_states_added": float(sum(added)),
         }
 
-    def opd_step(self) -> dict:
+    def opd_lr(self, step: int, total: int) -> float:
+        """learner.lr at OPD learner step `step` of `total`: linear warm-up, then constant or cosine decay."""
         lc = self.cfg.learner
-        n = len(self.learners)
+        if lc.lr_schedule == "cosine":
+            return lr_at(step, total, lc.lr, lc.warmup_ratio)
+        warm = int(total * lc.warmup_ratio)
+        return lc.lr * min(1.0, (step + 1) / warm) if warm else lc.lr
+
+    def opd_step(self, step: int = 0, total: int = 0) -> dict:
+        """One learner step on states drawn from the buffer (opd.accumulate_rounds rounds' worth per rank)."""
+        lc = self.cfg.learner
+        n, per_rank = len(self.learners), lc.batch_size * self.cfg.opd.accumulate_rounds
         self.rt.get(self.buffer.prune.remote(self.state.policy_version))
         if self.rt.get(self.buffer.stats.remote())["size"] == 0:
             # Nothing fresh to replay (empty, or every state older than buffer.max_staleness): skip, counted.
@@ -273,7 +282,8 @@ class Session:
                 "learner/skipped_no_fresh_states": 1.0,
                 "learner/num_skipped_no_fresh_states": float(self.num_skipped_stale),
             }
-        samples = [self.buffer.sample.remote(lc.batch_size, self.state.policy_version) for _ in range(n)]
+        samples = [self.buffer.sample.remote(per_rank, self.state.policy_version) for _ in range(n)]
+        lr = self.opd_lr(step, total)
         loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
         t0 = time.perf_counter()
         m = self._learner_call(
@@ -283,9 +293,10 @@ class Session:
             lc.decay,
             lc.max_seq_len,
             loss_cfg,
-            lc.lr,
+            lr,
         )
-        m["learner/samples_per_s"] = n * lc.batch_size / (time.perf_counter() - t0)
+        m["learner/samples_per_s"] = n * per_rank / (time.perf_counter() - t0)
+        m["learner/lr"] = lr
         return m
 
     def sync(self) -> float:

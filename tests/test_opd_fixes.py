@@ -1,5 +1,7 @@
 """Correctness fixes of the Draft-OPD path: each test pins one bug found in review."""
 
+import math
+
 import pytest
 import torch
 
@@ -237,3 +239,57 @@ def test_update_accumulation_over_rollout_rounds():
     s.opd_lr = lambda *a: Session.opd_lr(s, *a)
     m = Session.opd_step(s, 3, 4)
     assert got == [(6, Session.opd_lr(s, 3, 4))] and m["learner/lr"] == got[0][1] < cfg.learner.lr
+
+
+def _nan_gradient_run(zero_stage: int, tmp: str) -> dict:
+    """In a fresh process (DeepSpeed's groups outlive a destroyed process group): a finite loss with a NaN
+    gradient, then a clean one, through one learner rank."""
+    import socket
+    from pathlib import Path
+
+    from draftopd.config import DrafterConfig
+    from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.testing import tiny_target
+
+    target = tiny_target(vocab=16)
+    target.model.save_pretrained(Path(tmp) / "tiny")
+    spec = LearnerSpec(str(Path(tmp) / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), "", list(range(16)))
+    spec.zero_stage, spec.lr = zero_stage, 1e-2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    learner = DraftLearner(spec, 0, 1, "127.0.0.1", port)
+    learner.setup(2)
+    before = learner.weights()
+    p = next(p for p in learner.engine.module.parameters() if p.requires_grad)
+    skipped = learner._apply((p.sum() * 0).sqrt(), {}, None)  # sqrt at 0: loss 0, gradient NaN
+    after = learner.weights()
+    clean = learner._apply(p.pow(2).sum(), {}, None)  # the next step is clean of the dropped gradient
+    return {
+        "skipped": skipped["skipped_nonfinite"],
+        "total": skipped["num_nonfinite_total"],
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "clean_skipped": clean["skipped_nonfinite"],
+        "clean_norm": clean["grad_norm"],
+        "finite": all(bool(torch.isfinite(v).all()) for v in learner.weights().values()),
+    }
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_nonfinite_gradient_norm_skips_the_step(tmp_path, zero_stage):
+    """A finite loss whose gradient is NaN: the step is skipped and counted like a non-finite loss."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_opd_fixes as t; "
+        f"print('RESULT', json.dumps(t._nan_gradient_run({zero_stage}, {str(tmp_path)!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, out.stderr[-3000:].splitlines()[-15:]
+    r = json.loads(line[len("RESULT ") :])
+    assert r["skipped"] == 1 and r["total"] == 1 and r["unchanged"]
+    assert r["clean_skipped"] == 0 and math.isfinite(r["clean_norm"]) and r["clean_norm"] > 0 and r["finite"]

@@ -144,8 +144,39 @@ class DraftLearner:
             model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
         )
 
+    def _grad_norm(self) -> float:
+        """The global gradient norm after backward, before the step (ZeRO partitions: local squared norms summed)."""
+        stage, params = self.spec.zero_stage, list(self.engine.module.parameters())
+        if stage == 3:
+            from deepspeed.utils import safe_get_local_grad
+
+            grads = [safe_get_local_grad(p) for p in params if p.requires_grad]
+        elif stage:
+            grads = [g for gs in self.engine.optimizer.averaged_gradients.values() for g in (gs or [])]
+        else:
+            grads = [p.grad for p in params]  # already averaged over the ranks: the same on each
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for g in grads:
+            if g is not None:
+                sq += g.double().pow(2).sum()
+        op = torch.distributed.ReduceOp.SUM if stage else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(sq, op=op)
+        return math.sqrt(sq.item())
+
+    def _drop_grads(self) -> None:
+        """Forget this backward's gradients without stepping (ZeRO 1/2 keep theirs in the optimizer)."""
+        if not self.spec.zero_stage:
+            return self.engine.zero_grad()
+        opt = self.engine.optimizer
+        opt.zero_grad(set_to_none=True)
+        if self.spec.zero_stage in (1, 2):
+            for k in opt.averaged_gradients:
+                opt.averaged_gradients[k] = None
+            getattr(opt, "_release_preflattened_grad_buffers", lambda: None)()
+
     def _apply(self, loss: torch.Tensor, metrics: dict, lr: float | None) -> dict:
-        """Backward and step through DeepSpeed; a non-finite loss skips the step (counted, on every rank)."""
+        """Backward and step through DeepSpeed; a non-finite loss or gradient norm skips the step (counted, on
+        every rank)."""
         finite = torch.tensor([1.0 if math.isfinite(loss.item()) else 0.0], device=loss.device)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if finite.item() == 0:
@@ -155,7 +186,14 @@ class DraftLearner:
             for g in self.engine.optimizer.param_groups:
                 g["lr"] = lr
         self.engine.backward(loss)
+        grad_norm = self._grad_norm()  # before clipping
+        if not math.isfinite(grad_norm):
+            self._drop_grads()
+            self.num_nonfinite += 1
+            out = {**metrics, "skipped_nonfinite": 1, "skipped_nonfinite_grad": 1, "grad_norm": grad_norm}
+            return {**out, "num_nonfinite_total": self.num_nonfinite}
         self.engine.step()
+        metrics = {**metrics, "grad_norm": grad_norm}
         self.step += 1
         return {**metrics, "skipped_nonfinite": 0, "num_nonfinite_total": self.num_nonfinite, "learner_step": self.step}
 

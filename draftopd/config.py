@@ -218,6 +218,8 @@ class LearnerConfig:
     accepted_rows: str = "all"
     """Accepted stream on every response row, teacher-forced (`all`, the reference's full-TTT mode) or only
     on the replayed blocks (`anchors`, the reference's earlier mode)."""
+    k3_full_vocab_target: bool = False
+    """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
     max_nonfinite_in_a_row: int = 3
     """Stop the job after this many consecutive non-finite losses (each one skips its step)."""
     num_threads: int = 1

@@ -293,3 +293,39 @@ def test_nonfinite_gradient_norm_skips_the_step(tmp_path, zero_stage):
     r = json.loads(line[len("RESULT ") :])
     assert r["skipped"] == 1 and r["total"] == 1 and r["unchanged"]
     assert r["clean_skipped"] == 0 and math.isfinite(r["clean_norm"]) and r["clean_norm"] > 0 and r["finite"]
+
+
+def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabulary():
+    """The drafter's distribution lives on the draft vocabulary: k3's optimum must be the target restricted to it
+    (as the forward KL's is), not the full-vocabulary log-probs the rollout recorded."""
+    from draftopd.opd.losses import k3
+    from draftopd.opd.replay import draft_vocab_log_mass, target_to_draft_index
+    from draftopd.testing import tiny_target
+
+    target = tiny_target(vocab=16)
+    d2t = torch.tensor([2, 3, 5, 7, 11, 13])  # a draft vocabulary that lacks most target tokens
+    g = torch.Generator().manual_seed(0)
+    traj = _traj(4, [(1, 2), (0, 1), (2, 3)], k=3)
+    traj.output_ids = torch.randint(2, 16, (len(traj.output_ids) + 4,), generator=g).tolist()
+    want, states = {}, []
+    for i, step in enumerate(traj.steps):  # the rollout's records: full-vocabulary log-probs in the drafted context
+        step.draft_tokens = d2t[torch.randint(0, len(d2t), (3,), generator=g)].tolist()
+        for d in range(3):
+            ctx = torch.tensor([traj.full_ids[: step.position] + step.draft_tokens[:d]])
+            logits = target.forward(ctx, torch.arange(ctx.shape[1])[None], want_aux=False).logits[0, -1]
+            step.target_logprobs[d] = float(torch.log_softmax(logits, -1)[step.draft_tokens[d]])
+            restricted = torch.log_softmax(logits[d2t], -1)  # the best the drafter can be
+            want[(step.position - 2, d)] = (restricted, int(target_to_draft_index(d2t, 16)[step.draft_tokens[d]]))
+        states.append(ErrorState(traj, i, 0))
+    batch = build_replay_batch(states, target_to_draft_index(d2t, 16), 3, 0.8, 512)
+    restricted_t = batch.rej_target_logp - draft_vocab_log_mass(target, batch, d2t)
+    checked = 0
+    for (t, d), (best, idx) in want.items():
+        if batch.rej_weight[0, d, t] == 0:
+            continue
+        s = best[idx].float()  # a drafter equal to the restricted target
+        assert restricted_t[0, d, t].item() == pytest.approx(s.item(), abs=1e-5)
+        assert k3(restricted_t[0, d, t], s).item() == pytest.approx(0.0, abs=1e-9)  # its minimum, 0
+        assert k3(batch.rej_target_logp[0, d, t], s).item() > 1e-3  # the full-vocabulary target puts it elsewhere
+        checked += 1
+    assert checked == sum(3 - s.step.num_accepted for s in states)

@@ -12,7 +12,9 @@ Two streams per step with `a` accepted drafts out of K:
   own text; divergence to the target's full distribution at position P - 1 + d;
 * rejected-draft stream: depths a..K-1, the drafter's rejected block scored
   token by token with the k3 estimator against the recorded target log-probs
-  (which are conditioned on the drafter's own rejected prefix).
+  (which are conditioned on the drafter's own rejected prefix), renormalised
+  over the draft vocabulary by default: the drafter can only match the
+  restricted target, and k3's optimum is then that, as the forward KL's is.
 Depth d is weighted decay**d (offset within the block, as in the reference);
 the two streams are combined as one global weighted token mean.
 """
@@ -127,6 +129,33 @@ class OPDLossConfig:
     acc_coef: float = 1.0
     rej_coef: float = 1.0
     accepted_rows: str = "all"
+    k3_full_vocab_target: bool = False
+    """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
+
+
+def draft_vocab_log_mass(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """[B, D, n]: log of the target's probability on the draft vocabulary where each replayed step drafted, in the
+    context it was verified in (the trajectory up to the anchor, then the step's own drafts); 0 at other rows.
+
+    Subtracted from the recorded full-vocabulary log-probs, it gives the target restricted to the draft vocabulary.
+    """
+    out = torch.zeros_like(batch.rej_weight)
+    rows, ts = (batch.rej_weight > 0).any(1).nonzero(as_tuple=True)
+    depth = batch.depth_tokens.shape[1]
+    offsets = torch.arange(depth, device=out.device)
+    for i in range(0, len(rows), chunk):  # a few contexts per target pass: full-vocabulary logits are large
+        r, t = rows[i : i + chunk], ts[i : i + chunk]
+        # The step's drafts are its depth tokens 1..D-1 at its anchor row; logits at t + 1 + d predict draft d.
+        seqs = [
+            torch.cat([batch.input_ids[a, : b + 2], batch.depth_tokens[a, 1:, b]])
+            for a, b in zip(r.tolist(), t.tolist())
+        ]
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        pos = torch.arange(ids.shape[1], device=out.device).expand_as(ids)
+        logits = target.forward(ids, pos, want_aux=False).logits
+        picked = logits[torch.arange(len(seqs), device=out.device)[:, None], t[:, None] + 1 + offsets].float()
+        out[r, :, t] = torch.logsumexp(torch.log_softmax(picked, -1)[..., d2t], -1).to(out.dtype)
+    return out
 
 
 def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
@@ -170,7 +199,10 @@ def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=No
             cfg.accepted_divergence, t_logits, d_logits, batch.input_ids, d2t, t2d_index, d, span
         )
     s_logp = torch.log_softmax(d_logits.float(), -1).gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
-    rej = k3(batch.rej_target_logp, s_logp)
+    rej_t = batch.rej_target_logp
+    if not cfg.k3_full_vocab_target:
+        rej_t = rej_t - draft_vocab_log_mass(target, batch, d2t)
+    rej = k3(rej_t, s_logp)
     acc_w, rej_w = batch.acc_weight, batch.rej_weight
     loss = two_stream_mean(acc, acc_w, rej, rej_w, cfg.acc_coef, cfg.rej_coef)
     metrics = {

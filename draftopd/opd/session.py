@@ -284,7 +284,9 @@ class Session:
             }
         samples = [self.buffer.sample.remote(per_rank, self.state.policy_version) for _ in range(n)]
         lr = self.opd_lr(step, total)
-        loss_cfg = OPDLossConfig(lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows)
+        loss_cfg = OPDLossConfig(
+            lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows, lc.k3_full_vocab_target
+        )
         t0 = time.perf_counter()
         m = self._learner_call(
             "opd_step",

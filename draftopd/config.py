@@ -275,6 +275,18 @@ class RayConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a recipe is sized for. `draftopd cluster` reads it to render launchers; a run ignores it."""
+
+    nodes: int = 0
+    """Nodes the launchers ask for (0: as many as the GPU actors need, `gpus_per_node` each)."""
+    gpus_per_node: int = 0
+    """GPUs per node (0: none, or --gpus-per-node of `draftopd cluster` when the actors ask for GPUs)."""
+    gpu: str = ""
+    """GPU model the recipe is sized for (H100-80GB, ...), for people: nothing selects nodes by it."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -289,6 +301,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def _check_keys(node: Any, schema: type, where: str = "") -> None:
@@ -321,8 +334,34 @@ def _dotlist_to_dict(overrides: list[str]) -> dict:
     return out
 
 
+def _recipe_layers(path: Path, below: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
+    """The recipe's values, its bases' first: a top-level `base: FILE` (relative to the recipe, and itself a recipe
+    that may name a base) holds the values the recipe does not set."""
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    except Exception as exc:  # yaml errors carry line numbers
+        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+    layers = []
+    if isinstance(data, dict) and "base" in data:
+        name = data.pop("base")
+        base = path.parent / str(name)
+        if not base.is_file():
+            raise ConfigError(f"{path}: its base {name} is not a file ({base})")
+        below = (*below, path.resolve())
+        if base.resolve() in below:
+            raise ConfigError(f"{path}: its base {name} is the recipe itself or one based on it")
+        layers = _recipe_layers(base, below)
+    try:
+        _check_keys(data, Config)
+    except ConfigError as exc:  # say which file of the chain holds the typo
+        raise ConfigError(f"{path}: {exc}") from None
+    return [*layers, (str(path), data)]
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Schema defaults, then the recipe YAML, then `section.field=value` overrides."""
+    """Schema defaults, then the recipe YAML (its `base` chain first), then `section.field=value` overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -332,12 +371,7 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | None = 
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe {path} not found")
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(path))
-        except Exception as exc:  # yaml errors carry line numbers
-            raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
-        _check_keys(data or {}, Config)
-        layers.append((str(path), OmegaConf.create(data or {})))
+        layers += [(source, OmegaConf.create(data)) for source, data in _recipe_layers(path)]
     if overrides:
         dotted = _dotlist_to_dict(overrides)
         _check_keys(dotted, Config)

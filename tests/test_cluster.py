@@ -1,6 +1,6 @@
 """The cluster launchers rendered from each recipe ask the cluster for what the recipe asks Ray for.
 
-The expected numbers are worked out here from the recipe's own fields and its `# layout:` line, not through
+The expected numbers are worked out here from the recipe's own fields and its `cluster` section, not through
 draftopd.cluster, so a slip in the renderer shows up as a disagreement.
 """
 
@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,8 @@ def _expect(recipe: Path) -> dict:
     r, lr = cfg.rollout, cfg.learner
     gpus = r.num_workers * r.num_gpus_per_worker + lr.num_learners * lr.num_gpus_per_learner
     cpus = r.num_workers * r.num_cpus_per_worker + lr.num_learners * lr.num_cpus_per_learner
-    m = re.search(r"^#\s*layout:\s*nodes=(\d+)\s+gpus_per_node=(\d+)", recipe.read_text(), re.M)
-    nodes, per_node = (int(m.group(1)), int(m.group(2))) if m else (1, 0)
-    assert gpus <= nodes * per_node, f"{recipe.name}: its layout line has fewer GPUs than its actors ask for"
+    nodes, per_node = (cfg.cluster.nodes, cfg.cluster.gpus_per_node) if cfg.cluster.nodes else (1, 0)
+    assert gpus <= nodes * per_node, f"{recipe.name}: its cluster section has fewer GPUs than its actors ask for"
     biggest = max(r.num_cpus_per_worker, lr.num_cpus_per_learner)
     return {"nodes": nodes, "gpus_per_node": per_node, "gpus": gpus, "cpus": cpus, "biggest_cpus": biggest}
 
@@ -308,13 +308,34 @@ def test_a_layout_that_cannot_work_is_refused(args, message, capsys, monkeypatch
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_layout_line_with_too_few_gpus_is_refused(tmp_path, capsys):
+def test_a_cluster_section_with_too_few_gpus_is_refused(tmp_path, capsys):
     recipe = tmp_path / "big.yaml"
     recipe.write_text(
-        "# layout: nodes=1 gpus_per_node=2\nrollout: {num_workers: 3, num_gpus_per_worker: 1}\nopd: {enabled: true}\n"
+        "cluster: {nodes: 1, gpus_per_node: 2}\n"
+        "rollout: {num_workers: 3, num_gpus_per_worker: 1}\nopd: {enabled: true}\n"
     )
     assert main(["cluster", "kuberay", str(recipe), "--image", IMAGE]) == 2
     assert "do not fit on 1 node(s) of 2 GPUs" in capsys.readouterr().err
+
+
+def test_the_cluster_section_gives_the_nodes(tmp_path):
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text("rollout: {num_workers: 5, num_gpus_per_worker: 1}\nopd: {enabled: true}\n")
+    layout = cluster.plan(recipe, overrides=["cluster.nodes=3", "cluster.gpus_per_node=2", "cluster.gpu=L4"])
+    assert (layout.num_nodes, layout.gpus_per_node, layout.gpu_type) == (3, 2, "L4")
+    assert cluster.plan(recipe, overrides=["cluster.gpus_per_node=4"]).num_nodes == 2  # as many as the actors need
+    flag = cluster.plan(recipe, gpus_per_node=1, overrides=["cluster.nodes=3", "cluster.gpu=L4"])
+    assert (flag.num_nodes, flag.gpus_per_node, flag.gpu_type) == (5, 1, "")  # the flag wins over the section
+
+
+def test_the_slurm_template_ships_with_the_package():
+    """A wheel holds the SLURM template: every file of draftopd/cluster/ besides the modules is package data."""
+    section = (REPO / "pyproject.toml").read_text().split("[tool.setuptools.package-data]", 1)[1]
+    patterns = re.findall(r'"([^"]+)"', re.search(r"^draftopd = \[(.*)\]$", section, re.M).group(1))
+    data = [p.relative_to(REPO / "draftopd").as_posix() for p in (REPO / "draftopd/cluster").iterdir()]
+    data = [p for p in data if not p.endswith(".py") and "__pycache__" not in p]
+    assert data == ["cluster/slurm.sbatch"]
+    assert all(any(fnmatch(p, pattern) for pattern in patterns) for p in data), patterns
 
 
 def test_kuberay_needs_an_image(capsys):
@@ -352,7 +373,7 @@ def test_readme_layout_table_matches_the_recipes():
             rows[cells[0].strip("`")] = cells[1:]
     for recipe in OPD_RECIPES:
         if recipe.stem not in rows:
-            assert "layout:" not in recipe.read_text(), f"README's cluster table lacks {recipe.stem}"
+            assert not load_config(recipe).cluster.nodes, f"README's cluster table lacks {recipe.stem}"
             continue
         cfg, want = load_config(recipe), _expect(recipe)
         layout = cluster.plan(recipe)

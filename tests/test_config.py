@@ -23,13 +23,29 @@ def _leaves(node, prefix=()):
             yield (*prefix, key), value
 
 
+def _merged(under: dict, over: dict) -> dict:
+    out = dict(under)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def _written(recipe: Path) -> dict:
+    """The values a recipe file sets, over those its `base` chain sets: what the loaded config must hold."""
+    data = OmegaConf.to_container(OmegaConf.load(recipe), resolve=True) or {}
+    base = data.pop("base", None)
+    return _merged(_written(recipe.parent / base), data) if base else data
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads_with_its_own_values(recipe):
-    """Each value the recipe file sets is the value of the loaded config (not a default, not another recipe's)."""
+    """Each value the recipe file (or its base) sets is the value of the loaded config (not a default, not another
+    recipe's)."""
     cfg = load_config(recipe)
     assert cfg.sft.ttt_depth >= 1 and cfg.drafter.draft_vocab_size > 0
     loaded = to_dict(cfg)
-    written = OmegaConf.to_container(OmegaConf.load(recipe), resolve=True) or {}
+    written = _written(recipe)
     checked = 0
     for path, value in _leaves({k: v for k, v in written.items() if k in loaded}):  # sections, not composition
         node = loaded
@@ -73,6 +89,37 @@ def test_recipe_typo_is_an_error(tmp_path):
 def test_missing_recipe_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_a_recipe_overrides_its_base_chain(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base/gpu.yaml").write_text("sft: {epochs: 3, lr: 0.5}\nrollout: {num_workers: 2}\n")
+    (tmp_path / "mid.yaml").write_text("base: base/gpu.yaml\nsft: {epochs: 4}\n")  # relative to the recipe
+    (tmp_path / "top.yaml").write_text("base: mid.yaml\nrun: {name: top}\nsft: {lr: 0.25}\n")
+    cfg = load_config(tmp_path / "top.yaml")
+    assert (cfg.sft.epochs, cfg.sft.lr, cfg.rollout.num_workers, cfg.run.name) == (4, 0.25, 2, "top")
+    assert load_config(tmp_path / "top.yaml", ["sft.epochs=5"]).sft.epochs == 5  # overrides come last
+    assert load_config(tmp_path / "mid.yaml").sft.lr == 0.5
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"r.yaml": "base: nope.yaml\n"}, "r.yaml: its base nope.yaml is not a file"),
+        (
+            {"r.yaml": "base: b.yaml\n", "b.yaml": "sft: {ttt_dept: 3}\n"},
+            "b.yaml: unknown config key 'sft.ttt_dept'; did you mean 'sft.ttt_depth'?",
+        ),
+        ({"r.yaml": "base: b.yaml\n", "b.yaml": "base: r.yaml\n"}, "b.yaml: its base r.yaml is the recipe itself"),
+        ({"r.yaml": "base: r.yaml\n"}, "r.yaml: its base r.yaml is the recipe itself"),
+    ],
+)
+def test_a_bad_base_is_a_one_line_error(files, message, tmp_path):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "r.yaml")
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("key", ["sync.backend", "learner.accepted_divergence", "learner.accepted_rows"])

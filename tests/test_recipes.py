@@ -5,7 +5,6 @@ the fields needed), and the drafter is built on the meta device by the same func
 """
 
 import json
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,17 +26,10 @@ def _fixture(cfg) -> dict:
     return json.loads(path.read_text())
 
 
-def _layout(recipe: Path) -> dict[str, str]:
-    """The `# layout: nodes=N gpus_per_node=G gpu=NAME` header line, as a dict."""
-    line = next((x for x in recipe.read_text().splitlines() if x.startswith("# layout:")), None)
-    assert line is not None, f"{recipe.name} has no '# layout:' header line"
-    return dict(re.findall(r"(\w+)=(\S+)", line))
-
-
 def test_real_target_recipes_exist():
     names = {p.stem for p in REAL}
     assert {"qwen3-4b", "qwen3-8b", "llama-3.1-8b-instruct", "qwen3-30b-a3b", "gpt-oss-20b"} <= names
-    assert any(int(_layout(p)["nodes"]) > 1 for p in REAL), "no multi-node recipe"
+    assert any(load_config(p).cluster.nodes > 1 for p in REAL), "no multi-node recipe"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -113,12 +105,12 @@ def test_eagle3_weights_have_the_serving_shapes(recipe):
 
 
 @pytest.mark.parametrize("recipe", REAL, ids=lambda p: p.stem)
-def test_gpu_layout_matches_the_header(recipe):
-    cfg, layout = load_config(recipe), _layout(recipe)
-    r, lr = cfg.rollout, cfg.learner
+def test_gpu_layout_matches_the_cluster_section(recipe):
+    cfg = load_config(recipe)
+    r, lr, layout = cfg.rollout, cfg.learner, cfg.cluster
     rollout_gpus = r.num_workers * r.num_gpus_per_worker
     learner_gpus = lr.num_learners * lr.num_gpus_per_learner
-    assert rollout_gpus + learner_gpus == int(layout["nodes"]) * int(layout["gpus_per_node"])
+    assert rollout_gpus + learner_gpus == layout.nodes * layout.gpus_per_node and layout.gpu, layout
     assert r.num_gpus_per_worker >= 1 and lr.num_gpus_per_learner == 1  # a vLLM engine per GPU; NCCL ranks
     assert cfg.sft.batch_size % lr.num_learners == 0  # every rank gets the same number of sequences
     assert r.prompts_per_round % (r.num_workers * r.batch_size) == 0

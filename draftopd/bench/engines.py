@@ -24,7 +24,7 @@ import torch
 
 from draftopd.drafters import family
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.evaluate import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats
 from draftopd.vllm_backend.stock import LlmSettings, cut_at_eos, run_job
 
 

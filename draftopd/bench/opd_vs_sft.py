@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from draftopd.engine.speculative import SpeculativeEngine
-from draftopd.evaluate import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats
 from draftopd.messages import SamplingConfig
 from draftopd.opd.buffer import BufferConfig, ReplayBuffer
 from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, target_to_draft_index

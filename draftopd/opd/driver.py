@@ -13,9 +13,10 @@ import sys
 from tqdm import tqdm
 
 from draftopd.config import Config
+from draftopd.eval.plots import acceptance_curve_plot
 from draftopd.opd.session import DriverState, Session, TrainingError, latest_checkpoint, start_ray
 from draftopd.rundir import RunDir
-from draftopd.tracking import Tracker, acceptance_curve_plot
+from draftopd.tracking import Tracker
 
 
 def sft_batches(examples: list, batch_size: int, epochs: int, seed: int):

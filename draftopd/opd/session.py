@@ -21,7 +21,7 @@ from tqdm import tqdm
 from draftopd.config import Config, to_dict
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
-from draftopd.evaluate import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer
 from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec

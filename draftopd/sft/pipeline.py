@@ -16,7 +16,7 @@ from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.drafters import load_drafter, new_drafter, save_drafter
 from draftopd.engine.speculative import SpeculativeEngine
-from draftopd.evaluate import evaluate, format_table
+from draftopd.eval.acceptance import evaluate, format_table
 from draftopd.loading import eos_ids, load_target, load_tokenizer
 from draftopd.messages import SamplingConfig, Trajectory
 from draftopd.rundir import RunDir

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftopd.evaluate import acceptance_stats, timed_generate
+from draftopd.eval.acceptance import acceptance_stats, timed_generate
 from draftopd.messages import SamplingConfig
 
 SYSTEM_SHORT = "You are a helpful assistant."

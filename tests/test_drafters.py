@@ -12,7 +12,10 @@ from draftopd.drafters import FAMILIES, LoadError, load_drafter, read_checkpoint
 from draftopd.models.layers import attend_mask
 from draftopd.testing import tiny_drafter, tiny_target
 
-FAMILY_OPTS = {"eagle3": [{}, {"norm_output": True, "fc_norm": True}, {"head_dim": 16}]}
+FAMILY_OPTS = {
+    "eagle3": [{}, {"norm_output": True, "fc_norm": True}, {"head_dim": 16}],
+    "dflash": [{}, {"num_hidden_layers": 2, "head_dim": 16, "block_size": 4}],
+}
 CASES = [(kind, opts) for kind in FAMILIES for opts in FAMILY_OPTS.get(kind, [{}])]
 
 

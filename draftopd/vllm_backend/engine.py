@@ -69,12 +69,15 @@ class VllmEngine:
         check_install()
         if record:
             check_internals()
-        from draftopd.drafters import family
+        from draftopd.drafters import family, read_raw
         from draftopd.vllm_backend.stock import LlmSettings, build_llm
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
-        spec = family("eagle3").speculative_config(drafter_dir, num_draft_tokens) if drafter_dir else None
+        spec = None
+        if drafter_dir:  # the drafter's family names vLLM's method (eagle3, dflash)
+            spec = family(read_raw(drafter_dir)[0]).speculative_config(drafter_dir, num_draft_tokens)
         self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
+        self.method = spec["method"] if spec else ""
         self.has_drafter = spec is not None
         settings = LlmSettings(
             str(target_dir),
@@ -130,6 +133,10 @@ class VllmEngine:
         cache; returns the policy version the engine's workers confirm holding."""
         from safetensors.torch import save
 
+        if self.method == "dflash":
+            # vLLM's DFlash model keeps fused copies of its context K/V weights that its layerwise reload leaves
+            # stale (the next step fails on an empty weight): restart the engine on a new checkpoint instead
+            raise NotImplementedError("pushing weights into vLLM's DFlash drafter is not supported yet")
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
         self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
@@ -160,8 +167,9 @@ def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[Verifi
             raise VllmRecordError(
                 f"recorded tokens {emitted} are not the output's {out[cursor : cursor + len(emitted)]}"
             )
-        lp = draft_lp if draft_lp is not None and len(draft_lp) == len(drafts) else [float("nan")] * len(drafts)
-        steps.append(VerificationStep(len(traj.prompt_ids) + cursor, drafts, lp, target_lp, accepted, emitted))
+        if draft_lp is None or len(draft_lp) != len(drafts):  # the hook could not read this drafter's logits
+            raise VllmRecordError(f"no drafter log-probs recorded for the drafts {drafts}")
+        steps.append(VerificationStep(len(traj.prompt_ids) + cursor, drafts, draft_lp, target_lp, accepted, emitted))
         cursor += len(emitted)
     if cursor != len(out) and len(out) > 1:
         raise VllmRecordError(f"records cover {cursor} of {len(out)} output tokens")

@@ -12,7 +12,8 @@ two engine internals of vLLM's v1 model runner:
   log-probs of the drafted tokens (temperature 1, as the native engine records);
 * the EAGLE proposer's `propose` with its model's `compute_logits`: the
   drafter's log-probs of the tokens it chose, kept per request until they are
-  verified.
+  verified (one call per chain position for EAGLE-3; one call for the whole
+  block, request-major, for DFlash's one-pass drafting).
 
 It also reloads the drafter's weights in place (vLLM's layerwise reload, which
 redoes the CPU backend's weight repacking) without touching the target.
@@ -134,7 +135,9 @@ def _wrap_sample(runner, state: dict) -> None:
         # before the sampler, which may scale logits in place
         drafts = meta.draft_token_ids.long()
         rows = torch.log_softmax(logits[meta.target_logits_indices].float(), dim=-1)
-        target_lp = rows.gather(1, drafts[:, None]).squeeze(1).tolist()
+        # -1 pads drafts the scheduler dropped (a request that ended while its drafts were in flight)
+        target_lp = rows.gather(1, drafts.clamp_min(0)[:, None]).squeeze(1)
+        target_lp = torch.where(drafts >= 0, target_lp, float("nan")).tolist()
         out = original(logits, meta)
         _record_step(runner, state, meta.num_draft_tokens, drafts.tolist(), target_lp, out.sampled_token_ids.tolist())
         return out
@@ -174,16 +177,19 @@ def _wrap_proposer(runner, drafter, state: dict) -> None:
         out = propose(*args, **kwargs)
         ids = out[0] if isinstance(out, tuple) else out
         captured, state["captured"] = state["captured"], []
-        if ids.dim() == 2 and len(captured) == ids.shape[1]:
-            batch = ids.shape[0]
-            cols = [
-                torch.log_softmax(c[:batch].float(), -1).gather(1, ids[:, k : k + 1].long()).squeeze(1)
-                for k, c in enumerate(captured)
-            ]
-            lp = torch.stack(cols, 1).tolist()
-            req_ids = runner.input_batch.req_ids
-            for i in range(batch):
-                state["pending"][req_ids[i]] = lp[i]
+        if ids.dim() != 2:
+            return out
+        batch, k = ids.shape
+        if len(captured) == k:  # a chain (EAGLE-3): one call per position, rows = requests
+            logits = torch.stack([c[:batch] for c in captured], 1)
+        elif len(captured) == 1 and captured[0].shape[0] == batch * k:  # one pass (DFlash): request-major rows
+            logits = captured[0].view(batch, k, -1)
+        else:  # no reading of these logits is known to be right: record nothing, so the engine refuses the step
+            return out
+        lp = torch.log_softmax(logits.float(), -1).gather(2, ids[..., None].long()).squeeze(2).tolist()
+        req_ids = runner.input_batch.req_ids
+        for i in range(batch):
+            state["pending"][req_ids[i]] = lp[i]
         return out
 
     model.compute_logits = capture_logits

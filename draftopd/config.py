@@ -408,6 +408,11 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind == "dflash":
+        raise ConfigError(
+            "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's DFlash drafter does not take yet: "
+            "rollout.backend=native with drafter.kind=dflash"
+        )
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"

@@ -18,7 +18,7 @@ import torch
 from conftest import random_prompts
 from safetensors.torch import load_file
 
-from draftopd.config import load_config
+from draftopd.config import ConfigError, load_config
 from draftopd.drafters import LoadError, export_drafter, load_drafter, save_drafter
 from draftopd.drafters.dflash import block_attention
 from draftopd.engine.speculative import SpeculativeEngine
@@ -131,6 +131,8 @@ def test_toy_recipes_use_the_tokenizers_mask_row_and_the_published_decay():
     assert sft.depth_decay == pytest.approx(math.exp(-1 / 7), abs=1e-4)  # weight exp(-(k-1)/7) at offset k
     opd = load_config(RECIPES / "toy-dflash-opd.yaml")
     assert opd.rollout.num_draft_tokens == 15 and opd.learner.decay == 0.8 and opd.learner.accepted_rows == "anchors"
+    with pytest.raises(ConfigError, match="rollout.backend=native"):  # no weight push into vLLM's DFlash yet
+        load_config(RECIPES / "toy-dflash-opd.yaml", ["rollout.backend=vllm"])
 
 
 # ---- z-lab's dflash package ------------------------------------------------------------------------------

@@ -205,7 +205,9 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
     init = str(save_drafter(drafter, tmp_path / "drafter"))
-    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float64", DrafterConfig(), init, lr=1e-2)
+    spec = LearnerSpec(
+        str(tmp_path / "tiny"), target.aux_layer_ids, "float64", DrafterConfig(kind=drafter.kind), init, lr=1e-2
+    )
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
     trajs = SpeculativeEngine(target, drafter, [1]).generate([[3, 4, 5], [6, 7]], SamplingConfig(30, 0.0, 4), 0)
@@ -259,7 +261,7 @@ def test_collective_weight_sync_reaches_every_worker(ray_session, tiny_pair, tmp
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
     init = str(save_drafter(drafter, tmp_path / "drafter"))
-    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), init)
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(kind=drafter.kind), init)
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(2, ("127.0.0.1", _free_port())))
     worker_cls = ray_session.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from draftopd.cli import main
+from draftopd.drafters import save_drafter
 from draftopd.loading import ASSETS
 from draftopd.testing import tiny_drafter, tiny_target
 
@@ -143,7 +144,7 @@ def test_missing_target_and_drafter(capsys, prompt_file, tmp_path):
 
 def test_drafter_for_another_vocabulary(capsys, prompt_file, tmp_path):
     tiny = tiny_target(vocab=16)
-    tiny_drafter(tiny).save(tmp_path / "tiny-drafter")
+    save_drafter(tiny_drafter(tiny), tmp_path / "tiny-drafter")
     one_line_error(
         capsys,
         [

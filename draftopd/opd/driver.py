@@ -121,6 +121,8 @@ def run_opd(cfg: Config, argv: list[str] | None = None, runtime=None) -> dict:
     except BaseException:
         tracker.end("FAILED")
         raise
+    finally:
+        s.close()
     last = next(r for r in reversed(state.history) if "eval/toy/tau" in r)
     print(
         f"held-out tau = {last['eval/toy/tau']:.3f} (K={s.eval_k}, policy version "

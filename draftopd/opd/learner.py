@@ -286,6 +286,25 @@ class DraftLearner:
     def pid(self) -> int:
         return os.getpid()
 
+    def close(self) -> None:
+        """Leave the process as this rank found it: no process group, no DeepSpeed groups of this world.
+
+        A Ray actor simply exits; a rank in the driver's own process (`ray.in_process`) must undo its
+        `init_distributed`, or the next run in that process trips over DeepSpeed's cached groups.
+        """
+        import deepspeed.comm.comm as ds_comm
+        from deepspeed.utils import groups
+
+        self.engine = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        ds_comm.cdb = None
+        for name, value in vars(groups).copy().items():
+            if name.startswith("_") and name.isupper() and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
         self.engine.save_checkpoint(path, tag="state", client_state={"step": self.step, **(client_state or {})})
 

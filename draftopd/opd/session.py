@@ -374,6 +374,12 @@ class Session:
         self.rt.get(self.buffer.load_state_dict.remote(json.loads((ckpt / "buffer.json").read_text())))
         self.sync()
 
+    def close(self) -> None:
+        """In the driver's own process (`ray.in_process`), the learners release what they set up; Ray actors
+        need nothing: they end with the job."""
+        if isinstance(self.rt, InProcessRuntime):
+            self.rt.get([learner.close.remote() for learner in getattr(self, "learners", [])])
+
     def log_config(self) -> None:
         self.tracker.log_params(to_dict(self.cfg))
         self.tracker.log_artifact(self.run.path / "config.yaml")

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from draftopd.models.layers import RMSNorm, apply_rope
+from draftopd.models.layers import MLP, RMSNorm, apply_rope
 
 ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -121,17 +121,6 @@ class Attention(nn.Module):
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn.shape
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):

@@ -72,6 +72,29 @@ class ReplayBuffer:
         self.num_sampled += len(picked)
         return picked
 
+    def sample_trajectories(self, n: int, current_version: int) -> list[ErrorState]:
+        """The held states of `n` distinct trajectories (after pruning; all of them when fewer are held), drawn
+        uniformly or, with `error_weighted` sampling, by their states' total weight. They stay in the buffer.
+
+        The replay unit of a whole trajectory: the learner replays every verification step of each."""
+        self.prune(current_version)
+        groups: dict[int, list[ErrorState]] = {}
+        for s in self._states:
+            groups.setdefault(id(s.trajectory), []).append(s)
+        held = list(groups.values())
+        if n <= 0 or not held:
+            return []
+        if len(held) <= n:
+            picked = held
+        elif self.cfg.sampling == "error_weighted":
+            keys = [self._rng.random() ** (1.0 / sum(s.weight for s in g)) for g in held]
+            picked = [held[i] for i in heapq.nlargest(n, range(len(keys)), key=keys.__getitem__)]
+        else:
+            picked = self._rng.sample(held, n)
+        out = [s for g in picked for s in g]
+        self.num_sampled += len(out)
+        return out
+
     def stats(self, current_version: int | None = None) -> dict:
         """Counters, and with `current_version` the mean and max staleness of the held states."""
         out = {"size": len(self._states), **{name: getattr(self, name) for name in _COUNTERS}}

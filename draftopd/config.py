@@ -202,7 +202,7 @@ class LearnerConfig:
     warmup_ratio: float = 0.0
     """Fraction of the OPD phase's learner steps warming the lr up linearly (0: none)."""
     batch_size: int = 8
-    """Error states per rank per OPD step."""
+    """Per rank per OPD step: trajectories (`replay_unit: trajectory`) or error states (`state`)."""
     max_seq_len: int = 384
     """Tokens kept per replayed trajectory."""
     replay_depth: int = 0
@@ -225,6 +225,23 @@ class LearnerConfig:
     num_threads: int = 1
     """torch threads inside each learner rank."""
 
+    rejection_loss: str = "k3"
+    """Rejected-stream form: `k3` (sampled reverse KL on the drafted token, the reference), `tv` (total variation
+    to the target in the drafted context; 1 - TV is the sampled acceptance rate) or `margin` (the drafter's
+    log-prob of the target's top token over the rejected draft's, hinge at `learner.margin`)."""
+    rejected_offsets: str = "all"
+    """Score every rejected draft of a block (`all`) or only the first one (`first`)."""
+    margin: float = 1.0
+    """Hinge of the `margin` rejection loss, in log-prob units."""
+    normalisation: str = "token_mean"
+    """How the streams mix: `token_mean` (one weighted token mean over both streams' tokens) or `stream_means`
+    (acc_coef x the accepted stream's mean + rej_coef x the rejected stream's mean). Denominators are global
+    across the learner ranks either way; each stream's share of the weight is logged (share_accepted,
+    share_rejected)."""
+    replay_unit: str = "trajectory"
+    """What a learner step replays: `trajectory` (each of learner.batch_size sampled trajectories with every
+    verification step of it, as the reference) or `state` (learner.batch_size sampled error states, each with
+    only its own step)."""
 
 @dataclass
 class OPDConfig:
@@ -400,6 +417,10 @@ CHOICES = {
 }
 
 
+    "learner.rejection_loss": ("k3", "tv", "margin"),
+    "learner.rejected_offsets": ("all", "first"),
+    "learner.normalisation": ("token_mean", "stream_means"),
+    "learner.replay_unit": ("trajectory", "state"),
 def _check_choices(cfg: Config) -> None:
     from draftopd.drafters import FAMILIES  # the family list lives with the families
 

@@ -8,7 +8,7 @@ from conftest import random_prompts
 
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.messages import ErrorState
-from draftopd.opd.losses import bernoulli_forward_kl, jsd, k3, total_variation, two_stream_mean
+from draftopd.opd.losses import bernoulli_forward_kl, jsd, k3, mix_streams, total_variation
 from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, replay_forward, target_to_draft_index
 
 
@@ -37,10 +37,38 @@ def test_jsd_and_tv_on_known_distributions():
     assert total_variation(p, torch.tensor([[0.0, -1e9, -1e9]])).item() == pytest.approx(0.5, abs=1e-6)
 
 
-def test_two_stream_mean_is_a_global_weighted_mean():
+def test_mix_streams_token_mean_and_stream_means():
     acc, rej = torch.tensor([1.0, 3.0]), torch.tensor([10.0])
-    got = two_stream_mean(acc, torch.tensor([1.0, 0.5]), rej, torch.tensor([0.8]), 1.0, 2.0)
+    acc_w, rej_w = torch.tensor([1.0, 0.5]), torch.tensor([0.8])
+    got, shares = mix_streams(acc, acc_w, rej, rej_w, 1.0, 2.0, "token_mean")
     assert got.item() == pytest.approx((1 * 1 + 0.5 * 3 + 2 * 0.8 * 10) / (1.5 + 2 * 0.8))
+    assert shares == pytest.approx((1.5 / 3.1, 1.6 / 3.1))
+    got, shares = mix_streams(acc, acc_w, rej, rej_w, 1.0, 2.0, "stream_means")
+    assert got.item() == pytest.approx((1 + 1.5) / 1.5 + 2 * 10)
+    assert shares == pytest.approx((1 / 3, 2 / 3))
+    # A stream without weight drops out of both the loss and the shares (the control arm, rej_coef=0, likewise).
+    got, shares = mix_streams(acc, acc_w, rej, torch.zeros(1), 1.0, 2.0, "stream_means")
+    assert got.item() == pytest.approx(2.5 / 1.5) and shares == (1.0, 0.0)
+
+
+def test_mix_streams_denominators_are_global_across_ranks():
+    """Two ranks holding different shares of the tokens: the mean of their scaled losses is the global mean."""
+    ranks = [
+        (torch.tensor([1.0, 2.0, 3.0]), torch.ones(3), torch.tensor([4.0]), torch.ones(1)),
+        (torch.tensor([5.0]), torch.ones(1), torch.tensor([0.0]), torch.zeros(1)),
+    ]
+    global_sums = sum(torch.stack([r[1].sum(), r[3].sum()]).double() for r in ranks)
+
+    def all_reduce(t):
+        t.copy_(global_sums)
+
+    for norm in ("token_mean", "stream_means"):
+        losses = [mix_streams(*r, 1.0, 1.0, norm, all_reduce, world=2)[0] for r in ranks]
+        cat = [torch.cat([r[i] for r in ranks]) for i in range(4)]
+        want = mix_streams(*cat, 1.0, 1.0, norm)[0]
+        assert (sum(losses) / 2).item() == pytest.approx(want.item())
+        per_rank = [mix_streams(*r, 1.0, 1.0, norm)[0] for r in ranks]  # per-rank denominators differ
+        assert (sum(per_rank) / 2).item() != pytest.approx(want.item())
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -208,6 +208,7 @@ def test_update_accumulation_over_rollout_rounds():
     from draftopd.opd.session import DriverState, Session
 
     over = ["opd.num_rounds=6", "opd.steps_per_round=2", "opd.accumulate_rounds=3", "learner.batch_size=2"]
+    over.append("learner.replay_unit=state")
     cfg = load_config(None, [*over, "learner.lr_schedule=cosine", "opd.eval_every=1000", "opd.checkpoint_every=1000"])
     events, got = [], []
     s = SimpleNamespace(
@@ -226,7 +227,7 @@ def test_update_accumulation_over_rollout_rounds():
     assert events == [r, r, r, (0, 4), (1, 4), r, r, r, (2, 4), (3, 4)]
 
     class Learner:
-        def opd_step(self, states, depth, decay, max_len, loss_cfg, lr):
+        def opd_step(self, states, depth, decay, max_len, loss_cfg, lr, unit):
             got.append((len(states), lr))
             return {"loss": 1.0, "skipped_nonfinite": 0}
 

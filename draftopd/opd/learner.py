@@ -197,6 +197,12 @@ class DraftLearner:
         self.step += 1
         return {**metrics, "skipped_nonfinite": 0, "num_nonfinite_total": self.num_nonfinite, "learner_step": self.step}
 
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the learner ranks in place (the loss's global denominators)."""
+        moved = t.to(self.device)
+        torch.distributed.all_reduce(moved)
+        t.copy_(moved)
+
     def sft_step(self, examples, depth: int, decay: float, max_len: int, lr: float | None = None) -> dict:
         from draftopd.sft.trainer import collate, ttt_loss
 
@@ -206,16 +212,34 @@ class DraftLearner:
         return self._apply(loss, metrics, lr)
 
     def opd_step(
-        self, states: list[ErrorState], depth: int, decay: float, max_len: int, loss_cfg, lr: float | None = None
+        self,
+        states: list[ErrorState],
+        depth: int,
+        decay: float,
+        max_len: int,
+        loss_cfg,
+        lr: float | None = None,
+        unit: str = "state",
     ) -> dict:
         from draftopd.opd.replay import build_replay_batch, opd_loss, target_to_draft_index
 
         self.engine.train()
         # The batch is built on the CPU (per-state Python loops), then moved in one go.
         t2d = target_to_draft_index(self.drafter.draft_to_target_ids().cpu(), self.target.vocab_size)
-        batch = build_replay_batch(states, t2d, depth, decay, max_len, accepted_rows=loss_cfg.accepted_rows)
+        batch = build_replay_batch(
+            states,
+            t2d,
+            depth,
+            decay,
+            max_len,
+            accepted_rows=loss_cfg.accepted_rows,
+            unit=unit,
+            rejected_offsets=loss_cfg.rejected_offsets,
+        )
         batch = to_device(batch, self.device)
-        loss, metrics = opd_loss(self.engine.module, self.target, batch, loss_cfg, forward=self.engine)
+        loss, metrics = opd_loss(
+            self.engine.module, self.target, batch, loss_cfg, self.engine, self._all_reduce, self.world_size
+        )
         return self._apply(loss, {**metrics, "replay_depth": depth}, lr)
 
     def _initial_drafter(self):

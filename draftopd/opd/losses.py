@@ -49,8 +49,40 @@ def total_variation(target_logp: torch.Tensor, draft_logits: torch.Tensor) -> to
 DIVERGENCES = {"forward_kl": forward_kl, "jsd": jsd, "tv": total_variation}
 
 
-def two_stream_mean(acc_loss, acc_weight, rej_loss, rej_weight, acc_coef: float = 1.0, rej_coef: float = 1.0):
-    """(a * sum(w ℓ)_acc + r * sum(w ℓ)_rej) / (a * sum(w)_acc + r * sum(w)_rej): one global token mean."""
-    num = acc_coef * (acc_weight * acc_loss).sum() + rej_coef * (rej_weight * rej_loss).sum()
-    den = acc_coef * acc_weight.sum() + rej_coef * rej_weight.sum()
-    return num / den.clamp_min(1e-12)
+NORMALISATIONS = ("token_mean", "stream_means")
+
+
+def mix_streams(
+    acc_loss,
+    acc_weight,
+    rej_loss,
+    rej_weight,
+    acc_coef=1.0,
+    rej_coef=1.0,
+    normalisation="token_mean",
+    all_reduce=None,
+    world: int = 1,
+):
+    """The two streams' per-token losses mixed into one loss; returns (loss, (accepted share, rejected share)).
+
+    `token_mean`: (a sum(w l)_acc + r sum(w l)_rej) / (a sum(w)_acc + r sum(w)_rej), one weighted token mean;
+    `stream_means`: a sum(w l)_acc / sum(w)_acc + r sum(w l)_rej / sum(w)_rej. A stream without weight drops out.
+    `all_reduce` sums a tensor over the learner ranks in place (None: one rank), `world` is their number: the
+    weight sums are then global and the loss is scaled by `world`, so that averaging the ranks' gradients (as
+    data parallelism does) gives the gradient of the global mean. A share is the fraction of the loss's total
+    per-token weight that a stream's tokens carry: the number to watch for a drowned stream.
+    """
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"unknown normalisation {normalisation!r}; expected one of {', '.join(NORMALISATIONS)}")
+    sums = torch.stack([acc_weight.sum(), rej_weight.sum()]).detach().double()
+    if all_reduce is not None:
+        all_reduce(sums)
+    acc_sum, rej_sum = float(sums[0]), float(sums[1])
+    a, r = (acc_coef if acc_sum > 0 else 0.0), (rej_coef if rej_sum > 0 else 0.0)
+    acc_num, rej_num = (acc_weight * acc_loss).sum(), (rej_weight * rej_loss).sum()
+    if normalisation == "token_mean":
+        den = max(a * acc_sum + r * rej_sum, 1e-12)
+        return world * (a * acc_num + r * rej_num) / den, (a * acc_sum / den, r * rej_sum / den)
+    loss = world * (a * acc_num / max(acc_sum, 1e-12) + r * rej_num / max(rej_sum, 1e-12))
+    total = max(a + r, 1e-12)
+    return loss, (a / total, r / total)

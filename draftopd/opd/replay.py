@@ -10,25 +10,38 @@ replayed log-probs equal the recorded ones when the weights are the same).
 Two streams per step with `a` accepted drafts out of K:
 * accepted (target-distributed) stream: depths 0..a, whose context is the target's
   own text; divergence to the target's full distribution at position P - 1 + d;
-* rejected-draft stream: depths a..K-1, the drafter's rejected block scored
-  token by token with the k3 estimator against the recorded target log-probs
-  (which are conditioned on the drafter's own rejected prefix), renormalised
-  over the draft vocabulary by default: the drafter can only match the
-  restricted target, and k3's optimum is then that, as the forward KL's is.
-Depth d is weighted decay**d (offset within the block, as in the reference);
-the two streams are combined as one global weighted token mean.
+* rejected-draft stream: depths a..K-1 (or only the first rejected draft, depth a),
+  the drafter's rejected block scored against the target in the context it was
+  verified in (the drafter's own rejected prefix): k3 on the drafted token
+  against the recorded target log-prob (the reference), total variation to the
+  target's distribution there, or a margin between the target's top token and
+  the rejected draft in the drafter's log-probs. The target is restricted to
+  the draft vocabulary by default: the drafter can only match that, and each
+  form's optimum is then the restricted target, as the forward KL's is.
+Depth d is weighted decay**d (offset within the block, as in the reference).
+The streams are mixed as one weighted token mean (`token_mean`) or as the sum
+of their own means (`stream_means`); with several learner ranks every
+denominator is global (summed over the ranks), so a rank's share of the batch
+does not change a token's weight. Each stream's share of the gradient-carrying
+weight is reported with every step.
+
+The replay unit is an error state (its own step only) or, by default, its whole
+trajectory: every verification step of it, accepted blocks and rejected ones,
+as the reference replays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
+from draftopd.config import CHOICES
 from draftopd.losses import restrict_to_draft_vocab
 from draftopd.messages import ErrorState
-from draftopd.opd.losses import DIVERGENCES, bernoulli_forward_kl, k3, two_stream_mean
+from draftopd.opd.losses import DIVERGENCES, NORMALISATIONS, bernoulli_forward_kl, k3, mix_streams
 
 
 @dataclass
@@ -43,6 +56,12 @@ class ReplayBatch:
     rej_draft_idx: torch.Tensor
     rej_target_logp: torch.Tensor
     num_steps: int
+
+
+ACCEPTED_ROWS = CHOICES["learner.accepted_rows"]
+REPLAY_UNITS = CHOICES["learner.replay_unit"]
+REJECTED_OFFSETS = CHOICES["learner.rejected_offsets"]
+REJECTION_LOSSES = CHOICES["learner.rejection_loss"]
 
 
 def target_to_draft_index(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -75,14 +94,29 @@ def build_replay_batch(
     depth: int,
     decay: float,
     max_len: int,
+    *,
     pad_id: int = 0,
     accepted_rows: str = "all",
+    unit: str = "state",
+    rejected_offsets: str = "all",
 ) -> ReplayBatch:
     """`accepted_rows`: "all" scores the accepted stream on every response row (teacher-forced, as the
-    reference's full-TTT mode), "anchors" only at the replayed steps' own blocks."""
-    if accepted_rows not in ("all", "anchors"):
-        raise ValueError(f"accepted_rows must be 'all' or 'anchors', got {accepted_rows!r}")
+    reference's full-TTT mode), "anchors" only at the replayed steps' own blocks.
+    `unit`: "state" replays the given states' steps; "trajectory" every step of their trajectories.
+    `rejected_offsets`: "all" scores every rejected draft (depths a..K-1), "first" only depth a."""
+    for name, value, allowed in (
+        ("accepted_rows", accepted_rows, ACCEPTED_ROWS),
+        ("replay unit", unit, REPLAY_UNITS),
+        ("rejected_offsets", rejected_offsets, REJECTED_OFFSETS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     groups = _group(states)
+    if unit == "trajectory":
+        groups = [
+            [ErrorState(g[0].trajectory, i, g[0].policy_version) for i in range(len(g[0].trajectory.steps))]
+            for g in groups
+        ]
     seqs = [g[0].trajectory.full_ids[:max_len] for g in groups]
     b, width = len(seqs), max(len(s) for s in seqs)
     n = width - 1
@@ -114,7 +148,7 @@ def build_replay_batch(
                 if d:
                     depth_tokens[row, d, t] = step.draft_tokens[d - 1]
                 acc_w[row, d, t] = decay**d if d <= a and t + 2 + d <= length - 1 else 0.0  # label exists
-                if d >= a:
+                if d >= a and (rejected_offsets == "all" or d == a):
                     rej_w[row, d, t] = decay**d
                     rej_idx[row, d, t] = max(int(t2d_index[step.draft_tokens[d]]), 0)
                     rej_t[row, d, t] = step.target_logprobs[d]
@@ -131,18 +165,42 @@ class OPDLossConfig:
     accepted_rows: str = "all"
     k3_full_vocab_target: bool = False
     """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
+    rejection_loss: str = "k3"
+    """The rejected stream's form: `k3`, `tv` (total variation to the target there) or `margin`."""
+    rejected_offsets: str = "all"
+    """Score every rejected draft of a block (`all`) or only the first (`first`, the only one whose context
+    occurs again at inference)."""
+    margin: float = 1.0
+    """`margin`: the drafter's log-prob of the target's top token must exceed the rejected draft's by this."""
+    normalisation: str = "token_mean"
+    """`token_mean`: one weighted token mean over both streams; `stream_means`: the sum of each stream's mean."""
+
+    def check(self) -> None:
+        for name, value, allowed in (
+            ("accepted_divergence", self.accepted_divergence, (*DIVERGENCES, "bernoulli_fkl")),
+            ("accepted_rows", self.accepted_rows, ACCEPTED_ROWS),
+            ("rejection_loss", self.rejection_loss, REJECTION_LOSSES),
+            ("rejected_offsets", self.rejected_offsets, REJECTED_OFFSETS),
+            ("normalisation", self.normalisation, NORMALISATIONS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
 
 
-def draft_vocab_log_mass(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """[B, D, n]: log of the target's probability on the draft vocabulary where each replayed step drafted, in the
-    context it was verified in (the trajectory up to the anchor, then the step's own drafts); 0 at other rows.
+def opd_loss_config(learner) -> OPDLossConfig:
+    """The loss settings of a recipe's `learner` section."""
+    names = [f.name for f in dataclasses.fields(OPDLossConfig)]
+    return OPDLossConfig(**{name: getattr(learner, name) for name in names})
 
-    Subtracted from the recorded full-vocabulary log-probs, it gives the target restricted to the draft vocabulary.
-    """
-    out = torch.zeros_like(batch.rej_weight)
+
+def rejected_block_targets(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4):
+    """The target at every replayed step's block, in the context it was verified in (the trajectory up to the
+    anchor, then the step's own drafts): (rows, ts, [R, D, Vt] full-vocabulary log-probs), R = replayed steps
+    with a rejected-stream weight, at depth d the distribution the step's draft d was verified against."""
     rows, ts = (batch.rej_weight > 0).any(1).nonzero(as_tuple=True)
     depth = batch.depth_tokens.shape[1]
-    offsets = torch.arange(depth, device=out.device)
+    offsets = torch.arange(depth, device=batch.input_ids.device)
+    parts = []
     for i in range(0, len(rows), chunk):  # a few contexts per target pass: full-vocabulary logits are large
         r, t = rows[i : i + chunk], ts[i : i + chunk]
         # The step's drafts are its depth tokens 1..D-1 at its anchor row; logits at t + 1 + d predict draft d.
@@ -151,10 +209,24 @@ def draft_vocab_log_mass(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: i
             for a, b in zip(r.tolist(), t.tolist())
         ]
         ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-        pos = torch.arange(ids.shape[1], device=out.device).expand_as(ids)
-        logits = target.forward(ids, pos, want_aux=False).logits
-        picked = logits[torch.arange(len(seqs), device=out.device)[:, None], t[:, None] + 1 + offsets].float()
-        out[r, :, t] = torch.logsumexp(torch.log_softmax(picked, -1)[..., d2t], -1).to(out.dtype)
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        with torch.no_grad():
+            logits = target.forward(ids, pos, want_aux=False).logits
+        picked = logits[torch.arange(len(seqs), device=ids.device)[:, None], t[:, None] + 1 + offsets]
+        parts.append(torch.log_softmax(picked.float(), -1))
+    vocab = target.vocab_size
+    full = torch.cat(parts) if parts else torch.zeros(0, depth, vocab, device=batch.input_ids.device)
+    return rows, ts, full
+
+
+def draft_vocab_log_mass(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """[B, D, n]: log of the target's probability on the draft vocabulary where each replayed step drafted, in the
+    context it was verified in; 0 at other rows. Subtracted from the recorded full-vocabulary log-probs, it gives
+    the target restricted to the draft vocabulary."""
+    out = torch.zeros_like(batch.rej_weight)
+    rows, ts, full = rejected_block_targets(target, batch, d2t, chunk)
+    if len(rows):
+        out[rows, :, ts] = torch.logsumexp(full[..., d2t], -1).to(out.dtype)
     return out
 
 
@@ -184,10 +256,43 @@ def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_inde
     return torch.where(draft_id >= 0, bernoulli_forward_kl(t_lp, s_lp), torch.zeros_like(t_lp))
 
 
-def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=None) -> tuple[torch.Tensor, dict]:
-    """The two-stream Draft-OPD loss on a replay batch, with per-stream metrics."""
-    if cfg.accepted_divergence not in (*DIVERGENCES, "bernoulli_fkl"):
-        raise ValueError(f"unknown accepted_divergence '{cfg.accepted_divergence}'")
+def _rejected_stream(cfg: OPDLossConfig, target, batch: ReplayBatch, d_logits, d2t) -> torch.Tensor:
+    """[B, D, n] per-token loss of the rejected stream (zero where it has no weight)."""
+    if cfg.rej_coef == 0:  # the stream is off: no extra target pass
+        return torch.zeros_like(batch.rej_weight, dtype=torch.float32)
+    s_logp = torch.log_softmax(d_logits.float(), -1)
+    if cfg.rejection_loss == "k3" and cfg.k3_full_vocab_target:
+        picked = s_logp.gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
+        return k3(batch.rej_target_logp, picked)
+    out = torch.zeros_like(batch.rej_weight, dtype=torch.float32)
+    rows, ts, full = rejected_block_targets(target, batch, d2t)
+    if not len(rows):
+        return out
+    t_logp = torch.log_softmax(full[..., d2t], -1)  # [R, D, Vd]: the target restricted to the draft vocabulary
+    s = s_logp[rows, :, ts]  # [R, D, Vd]
+    drafted = batch.rej_draft_idx[rows, :, ts]  # [R, D]
+    if cfg.rejection_loss == "k3":
+        value = k3(t_logp.gather(2, drafted[..., None]).squeeze(2), s.gather(2, drafted[..., None]).squeeze(2))
+    elif cfg.rejection_loss == "tv":
+        value = 0.5 * (t_logp.exp() - s.exp()).abs().sum(-1)
+    else:  # margin: the target's top token over the rejected draft, in the drafter's log-probs
+        best = t_logp.argmax(-1)
+        gap = s.gather(2, best[..., None]).squeeze(2) - s.gather(2, drafted[..., None]).squeeze(2)
+        value = torch.where(best == drafted, torch.zeros_like(gap), torch.relu(cfg.margin - gap))
+    out[rows, :, ts] = value
+    return out
+
+
+def opd_loss(
+    drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=None, all_reduce=None, world: int = 1
+) -> tuple[torch.Tensor, dict]:
+    """The two-stream Draft-OPD loss on a replay batch, with per-stream metrics and weight shares.
+
+    `all_reduce` sums a tensor over the learner ranks in place (None: one rank) and `world` is their number;
+    the denominators are then global, and the loss is scaled so that DeepSpeed's averaging of the ranks'
+    gradients gives the gradient of the global mean.
+    """
+    cfg.check()
     t_logits, d_logits = replay_forward(drafter, target, batch, forward)
     b, depth, n, _ = d_logits.shape
     d2t = drafter.draft_to_target_ids()
@@ -198,19 +303,21 @@ def opd_loss(drafter, target, batch: ReplayBatch, cfg: OPDLossConfig, forward=No
         acc[:, d, :span] = _accepted_divergence(
             cfg.accepted_divergence, t_logits, d_logits, batch.input_ids, d2t, t2d_index, d, span
         )
-    s_logp = torch.log_softmax(d_logits.float(), -1).gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
-    rej_t = batch.rej_target_logp
-    if not cfg.k3_full_vocab_target:
-        rej_t = rej_t - draft_vocab_log_mass(target, batch, d2t)
-    rej = k3(rej_t, s_logp)
+    rej = _rejected_stream(cfg, target, batch, d_logits, d2t)
     acc_w, rej_w = batch.acc_weight, batch.rej_weight
-    loss = two_stream_mean(acc, acc_w, rej, rej_w, cfg.acc_coef, cfg.rej_coef)
+    loss, (share_acc, share_rej) = mix_streams(
+        acc, acc_w, rej, rej_w, cfg.acc_coef, cfg.rej_coef, cfg.normalisation, all_reduce, world
+    )
     metrics = {
-        "loss": loss.item(),
+        "loss": loss.item() / world,
         "loss_accepted": float((acc.detach() * acc_w).sum() / acc_w.sum().clamp_min(1e-12)),
         "loss_rejected": float((rej.detach() * rej_w).sum() / rej_w.sum().clamp_min(1e-12)),
+        "share_accepted": float(share_acc),
+        "share_rejected": float(share_rej),
         "num_accepted_tokens": int((acc_w > 0).sum()),
         "num_rejected_tokens": int((rej_w > 0).sum()),
         "num_replayed_steps": batch.num_steps,
+        "num_rows": b,
+        "num_tokens": int(batch.valid.sum()),
     }
     return loss, metrics

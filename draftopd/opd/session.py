@@ -25,7 +25,7 @@ from draftopd.eval.acceptance import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer
 from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec
-from draftopd.opd.replay import OPDLossConfig
+from draftopd.opd.replay import opd_loss_config
 from draftopd.opd.runtime import InProcessRuntime, RayRuntime
 from draftopd.opd.weight_sync import StaleWeights, make_weight_sync
 from draftopd.rundir import RunDir
@@ -282,11 +282,10 @@ class Session:
                 "learner/skipped_no_fresh_states": 1.0,
                 "learner/num_skipped_no_fresh_states": float(self.num_skipped_stale),
             }
-        samples = [self.buffer.sample.remote(per_rank, self.state.policy_version) for _ in range(n)]
+        draw = self.buffer.sample_trajectories if lc.replay_unit == "trajectory" else self.buffer.sample
+        samples = [draw.remote(per_rank, self.state.policy_version) for _ in range(n)]
         lr = self.opd_lr(step, total)
-        loss_cfg = OPDLossConfig(
-            lc.accepted_divergence, lc.acc_coef, lc.rej_coef, lc.accepted_rows, lc.k3_full_vocab_target
-        )
+        loss_cfg = opd_loss_config(lc)
         t0 = time.perf_counter()
         m = self._learner_call(
             "opd_step",
@@ -296,6 +295,7 @@ class Session:
             lc.max_seq_len,
             loss_cfg,
             lr,
+            lc.replay_unit,
         )
         m["learner/samples_per_s"] = n * per_rank / (time.perf_counter() - t0)
         m["learner/lr"] = lr

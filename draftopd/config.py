@@ -50,7 +50,8 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     kind: str = "eagle3"
-    """Drafter family (draftopd/drafters): `eagle3` or `dflash`. A checkpoint of another family is refused."""
+    """Drafter family (draftopd/drafters): `eagle3`, `dflash` or `d2sd`. A checkpoint of another family is
+    refused."""
     init: str = ""
     """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter."""
     hidden_size: int = 0
@@ -71,11 +72,15 @@ class DrafterConfig:
     fc_norm: bool = False
     """Attention-drift fix: an RMSNorm on each captured target state before the fusion layer."""
     num_hidden_layers: int = 1
-    """DFlash: decoder layers of the drafter (EAGLE-3 has one)."""
+    """DFlash and D²SD: decoder layers of the drafter (EAGLE-3 has one)."""
     block_size: int = 16
     """DFlash: tokens per drafted block, the anchor and block_size - 1 mask tokens (drafts per step <= this - 1)."""
     mask_token_id: int = -1
     """DFlash: the vocabulary row the block's mask tokens use (an unused one, such as the tokenizer's `<|mask|>`)."""
+    num_candidates: int = 4
+    """D²SD: rejection boundaries of the first drafter's block re-drafted by the variable-prefix drafter per step."""
+    vp_prefix_base: float = 0.9
+    """D²SD: the variable-prefix drafter trains on i visible block tokens drawn with P(i) proportional to this ** i."""
 
 
 @dataclass
@@ -433,6 +438,10 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(
             "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's DFlash drafter does not take yet: "
             "rollout.backend=native with drafter.kind=dflash"
+        )
+    if cfg.opd.enabled and cfg.drafter.kind == "d2sd":
+        raise ConfigError(
+            "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
         )
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(

@@ -40,7 +40,11 @@ class VerificationStep:
       `num_accepted < K`;
     * `emitted` = accepted drafts + the correction or bonus token, i.e.
       `num_accepted + 1` tokens, fewer only when the sequence ended inside this
-      step (end-of-sequence or the token budget).
+      step (end-of-sequence or the token budget);
+    * `row` is the candidate row the drafts come from when the drafter proposed
+      several (D²SD: 0 is the first drafter's block, j >= 1 the j-th re-drafted
+      row); the fields above describe that row, which gave the `emitted` tokens.
+      0 for single-row families.
     """
 
     position: int
@@ -49,6 +53,7 @@ class VerificationStep:
     target_logprobs: list[float]
     num_accepted: int
     emitted: list[int]
+    row: int = 0
 
     @property
     def num_drafted(self) -> int:

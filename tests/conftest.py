@@ -17,6 +17,18 @@ def tiny_pair(request):
     return target, train_tiny_drafter(target, kind=request.param)
 
 
+# Families the Draft-OPD tests cannot run for, with the reason; their parametrizations there are skipped.
+NOT_IN_OPD = {"d2sd": "Draft-OPD does not replay D²SD steps yet: a winning row mixes both drafters' tokens"}
+OPD_TESTS = ("test_opd.py", "test_opd_loop.py", "test_learner_gpu.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = getattr(item, "callspec", None) and item.callspec.params.get("tiny_pair")
+        if kind in NOT_IN_OPD and item.path.name in OPD_TESTS:
+            item.add_marker(pytest.mark.skip(reason=NOT_IN_OPD[kind]))
+
+
 def random_prompts(n: int, vocab: int, seed: int, max_len: int = 9) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [

@@ -123,7 +123,13 @@ def test_sampling_check_detects_a_lossy_rule(small_vocab, monkeypatch):
         k = drafts.shape[1]
         return torch.full((drafts.shape[0],), k), torch.multinomial(p[rows, k], 1, generator=gen).squeeze(1)
 
+    def accept_first_row(drafts, logits, temperature, gen):  # multi-row families (D²SD): the same bug
+        b, _, k = drafts.shape
+        bonus = torch.multinomial(torch.softmax(logits[:, 0, k].double() / temperature, -1), 1, generator=gen)
+        return torch.zeros(b, dtype=torch.long), torch.full((b,), k), bonus.squeeze(1)
+
     monkeypatch.setattr(spec_mod, "rejection_verify", accept_all)
+    monkeypatch.setattr(spec_mod, "first_valid_row_walk", accept_first_row)
     counts, _ = sample_counts(target, drafter, [2, 3, 4], 3, 2, rows=40000, seed=3)
     assert chi_square_p_value(counts, probs) < FALSE_ALARM
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
+from draftopd.drafters.d2sd import D2SDDrafter
 from draftopd.drafters.dflash import DFlashDrafter
 from draftopd.drafters.eagle3 import Eagle3Drafter
 from draftopd.loading import LoadError
 
-FAMILIES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
+FAMILIES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter, "d2sd": D2SDDrafter}
 
 
 def detect_kind(config: dict) -> str:
@@ -29,6 +30,8 @@ def detect_kind(config: dict) -> str:
         return str(spec)
     if "LlamaForCausalLMEagle3" in archs or "Eagle3Speculator" in archs:
         return "eagle3"
+    if "D2SDDraftModel" in archs:  # before DFlash: it holds two DFlash configs
+        return "d2sd"
     if any("DFlash" in a for a in archs) or "dflash_config" in config:
         return "dflash"
     if "pard_token" in config:

@@ -14,11 +14,20 @@ replaying a recorded step's drafts at its row reproduces the rollout exactly.
 A family whose rows are independent (DFlash: one block per row) also takes
 `rows` [B, R], the only rows to compute, and then returns [B, D, R, Vd]: SFT
 scores a fresh random subset of rows each step this way (`sft.num_anchors`).
+A family that trains more than one set of rows at those anchors (D²SD: its
+variable-prefix drafter) also has `training_rows(rows, real, generator)`,
+which names its `RowSet`s; the trainer scores each with the set's keyword
+arguments and sums their losses.
+
+A family whose proposer drafts several candidate rows per step (D²SD) gives a
+`RowProposer`; the engine then verifies all rows in one target pass and
+accepts along the first row that still agrees with the target.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -45,6 +54,26 @@ class Proposer(Protocol):
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only batch rows `keep` (finished rows retire)."""
+
+
+class RowProposer(Proposer, Protocol):
+    """A proposer of several candidate rows per step, all continuing the same pending token."""
+
+    def propose_rows(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [B, R, K] of drafts (target ids, fixed before verification) and their drafter log-probs [B, R, K].
+
+        The engine's `commit` then receives the winning row's target output, emitted tokens and positions."""
+
+
+@dataclass
+class RowSet:
+    """Grid rows a family trains in one `score` call: rows [B, R], whether each is real [B, R], how many depths
+    each row has (None: all; a row's depths d >= num_depths carry no loss) and `score`'s extra arguments."""
+
+    rows: torch.Tensor
+    real: torch.Tensor
+    num_depths: torch.Tensor | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class Drafter(Protocol):

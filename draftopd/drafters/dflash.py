@@ -226,8 +226,12 @@ class DFlashDrafter(nn.Module):
         bk = self.cfg.block_size
         ids = torch.full((*anchors.shape, bk), self.cfg.mask_token_id, dtype=torch.long, device=anchors.device)
         ids[..., 0] = anchors
+        return self.run_blocks(ids, anchor_pos, ctx_kv, ctx_visible)
+
+    def run_blocks(self, ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv, ctx_visible) -> torch.Tensor:
+        """Final-normed states [B, R, Bk, H] of blocks of any tokens `ids` [B, R, Bk] placed at anchor_pos .. ."""
         x = F.embedding(ids, self.embed_weight)
-        positions = anchor_pos[..., None] + torch.arange(bk, device=anchors.device)
+        positions = anchor_pos[..., None] + torch.arange(ids.shape[-1], device=ids.device)
         cos, sin = self._rope(positions.flatten(1), x.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
             x = layer(x, kv, ctx_visible, cos, sin)

@@ -15,6 +15,11 @@ a per-row validity mask and explicit position ids: a rejected draft's slot stays
 in the cache but is never attended to again. Without a drafter, the same loop
 with K = 0 is plain decoding with the target alone, which is what the
 losslessness tests compare against.
+
+A proposer of several candidate rows per step (D²SD, drafters/base.py
+`RowProposer`) takes `step_rows` instead: one cascade pass of the target over
+all rows (engine/cascade.py), the first-valid-row walk (engine/verify.py), and
+the winning row's slots appended to the cache; the rest of the step is shared.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 import torch
 
 from draftopd.drafters.base import Drafter
-from draftopd.engine.verify import greedy_verify, rejection_verify, sample
+from draftopd.engine.cascade import append_row, cascade_forward
+from draftopd.engine.verify import first_valid_row_walk, greedy_verify, rejection_verify, sample
 from draftopd.messages import SamplingConfig, Trajectory, VerificationStep
 from draftopd.models.layers import at_least_fp32, attend_mask
-from draftopd.models.target import TargetModel
+from draftopd.models.target import TargetModel, TargetOutput
 
 
 class SpeculativeEngine:
@@ -64,8 +70,9 @@ class SpeculativeEngine:
         ]
         run = _Run(self, cfg, k, gen, trajs)
         run.prefill()
+        step = run.step_rows if k and hasattr(run.proposer, "propose_rows") else run.step
         while run.active.numel():
-            run.step()
+            step()
         return trajs
 
 
@@ -129,10 +136,30 @@ class _Run:
             p = torch.softmax(out.logits.double() / self.cfg.temperature, dim=-1)
             q = q if q is not None else torch.zeros(b, 0, p.shape[-1], dtype=p.dtype)
             accepted, nxt = rejection_verify(drafts, q, p, self.gen)
+        self._advance(drafts, draft_logps, out, accepted, nxt, positions)
+
+    def step_rows(self):
+        """One step of a proposer of several candidate rows (drafters/base.py `RowProposer`): all rows in one
+        cascade pass of the target, accepted along the first row that still agrees (engine/verify.py)."""
+        b, k = self.active.numel(), self.k
+        drafts, draft_logps = self.proposer.propose_rows(k)  # [B, R, K]
+        ids = torch.cat([self.pending[:, None, None].expand(-1, drafts.shape[1], 1), drafts], dim=2)
+        positions = self.next_pos[:, None] + torch.arange(k + 1)
+        want_aux = self.e.drafter.needs == "aux"
+        out = cascade_forward(self.e.target, self.tcache, self.tvalid, ids, positions, want_aux)
+        row, accepted, nxt = first_valid_row_walk(drafts, out.logits, self.cfg.temperature, self.gen)
+        append_row(self.tcache, out.kv, row)
+        at = torch.arange(b)
+        won = TargetOutput(out.logits[at, row], out.aux_hidden[at, row] if want_aux else None)
+        self._advance(drafts[at, row], draft_logps[at, row], won, accepted, nxt, positions, row)
+
+    def _advance(self, drafts, draft_logps, out, accepted, nxt, positions, row=None):
+        """Record the step, drop the dead cache slots, let the proposer commit, retire finished rows."""
+        b, k = self.active.numel(), self.k
         emitted = torch.cat([drafts, torch.zeros(b, 1, dtype=torch.long)], dim=1)
         emitted[torch.arange(b), accepted] = nxt
         num_emitted = accepted + 1
-        self._record(drafts, draft_logps, out.logits, accepted, emitted, num_emitted)
+        self._record(drafts, draft_logps, out.logits, accepted, emitted, num_emitted, row)
         # Slots past each row's accepted prefix are dead; trim those dead in every row.
         slot = torch.arange(k + 1)
         self.tvalid = torch.cat([self.tvalid, slot[None] <= accepted[:, None]], dim=1)
@@ -146,8 +173,8 @@ class _Run:
         self.next_pos = self.next_pos + num_emitted
         self._retire(self._finished_rows(emitted, num_emitted))
 
-    def _record(self, drafts, draft_logps, target_logits, accepted, emitted, num_emitted):
-        """Append each row's new tokens, and its VerificationStep when it drafted."""
+    def _record(self, drafts, draft_logps, target_logits, accepted, emitted, num_emitted, row=None):
+        """Append each row's new tokens, and its VerificationStep when it drafted (from candidate `row` [B])."""
         rows = self.active.tolist()
         new_tokens = [e[:n] for e, n in zip(emitted.tolist(), num_emitted.tolist())]
         if not self.k:
@@ -156,11 +183,12 @@ class _Run:
             return
         t_logps = torch.log_softmax(target_logits[:, :-1].to(at_least_fp32(target_logits.dtype)), -1)
         t_logps = t_logps.gather(2, drafts[..., None]).squeeze(2)
-        columns = zip(rows, new_tokens, drafts.tolist(), draft_logps.tolist(), t_logps.tolist(), accepted.tolist())
-        for r, toks, d, d_lp, t_lp, a in columns:
+        won = row.tolist() if row is not None else [0] * len(rows)
+        columns = zip(rows, new_tokens, drafts.tolist(), draft_logps.tolist(), t_logps.tolist(), accepted.tolist(), won)
+        for r, toks, d, d_lp, t_lp, a, w in columns:
             traj = self.trajs[r]
             position = len(traj.prompt_ids) + len(traj.output_ids)
-            traj.steps.append(VerificationStep(position, d, d_lp, t_lp, a, toks))
+            traj.steps.append(VerificationStep(position, d, d_lp, t_lp, a, toks, w))
             traj.output_ids.extend(toks)
 
     def _finished_rows(self, emitted: torch.Tensor, num_emitted: torch.Tensor) -> list[int]:

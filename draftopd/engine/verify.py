@@ -62,3 +62,36 @@ def rejection_verify(
     # A rejection has probability 0 when the residual vanishes; guard against rounding anyway.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
     return num_accepted, sample(residual, generator)
+
+
+def first_valid_row_walk(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several candidate rows of fixed drafts, verified together: (row [B], num_accepted [B], next_token [B]).
+
+    draft_tokens [B, R, K]; target_logits [B, R, K + 1, V], each row scored on its own drafts. At step t the
+    target's token is taken (argmax, or a sample at `temperature`) from the first row that still agrees with
+    every token emitted so far: such rows share the committed context, so its distribution there is exactly
+    the target's. Rows whose draft t differs from that token drop out; the walk ends when none is left (or
+    after the bonus), and the last row it read from is the winner. Each emitted token is a draw from the
+    target given the tokens before it, whatever the drafts are, so the output is distributed as the target's.
+    """
+    b, r, k = draft_tokens.shape
+    at = torch.arange(b, device=draft_tokens.device)
+    valid = torch.ones(b, r, dtype=torch.bool, device=draft_tokens.device)
+    alive = torch.ones(b, dtype=torch.bool, device=draft_tokens.device)
+    row, accepted, nxt = (torch.zeros(b, dtype=torch.long, device=draft_tokens.device) for _ in range(3))
+    for t in range(k + 1):
+        first = valid.long().argmax(1)  # the first still-valid row (every live sequence has one)
+        logits = target_logits[at, first, t]
+        if temperature <= 0:
+            token = logits.argmax(-1)
+        else:
+            token = sample(torch.softmax(logits.double() / temperature, dim=-1), generator)
+        valid = valid & (draft_tokens[:, :, t] == token[:, None]) if t < k else torch.zeros_like(valid)
+        ends = alive & ~valid.any(1)
+        row, accepted, nxt = (torch.where(ends, new, old) for new, old in ((first, row), (t, accepted), (token, nxt)))
+        alive = alive & ~ends
+        if not alive.any():
+            break
+    return row, accepted, nxt

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftopd.config import SFTConfig
+from draftopd.drafters.base import RowSet
 from draftopd.losses import forward_kl, masked_mean, restrict_to_draft_vocab
 
 
@@ -62,21 +63,40 @@ def random_rows(batch: Batch, num: int, generator: torch.Generator | None = None
 
 
 def ttt_loss(
-    drafter, target, batch: Batch, depth: int, decay: float, forward=None, rows=None
+    drafter, target, batch: Batch, depth: int, decay: float, forward=None, rows=None, generator=None
 ) -> tuple[torch.Tensor, dict]:
     """Weighted forward KL over TTT depths, plus per-depth top-1 agreement with the target.
 
     `forward` is what runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
-    `rows` (rows [B, R], real [B, R], from `random_rows`) scores only those rows.
+    `rows` (rows [B, R], real [B, R], from `random_rows`) scores only those rows; a family with
+    `training_rows` (drafters/base.py) turns them into its own row sets (drawn with `generator`), each scored
+    and weighted the same way, their losses summed.
     """
     n = batch.input_ids.shape[1]
     positions = torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids)
     out = target.forward(batch.input_ids, positions)
     forward = forward or drafter
+    features = drafter.features(out)
     if rows is None:
-        draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth)  # [B, D, n, Vd]
+        draft_logits = forward(batch.input_ids, features, batch.valid, depth)  # [B, D, n, Vd]
+        total, metrics = _depth_losses(drafter, batch, out.logits, draft_logits, decay)
+        return total, {**metrics, "loss": total.item()}
+    if hasattr(drafter, "training_rows"):
+        sets = drafter.training_rows(rows[0], rows[1], generator)
     else:
-        draft_logits = forward(batch.input_ids, drafter.features(out), batch.valid, depth, rows=rows[0])
+        sets = {"": RowSet(rows[0], rows[1])}
+    total, metrics = 0.0, {}
+    for name, s in sets.items():
+        draft_logits = forward(batch.input_ids, features, batch.valid, depth, rows=s.rows, **s.kwargs)
+        loss, m = _depth_losses(drafter, batch, out.logits, draft_logits, decay, s)
+        total = total + loss
+        metrics.update({name + key: value for key, value in m.items()})
+    return total, {**metrics, "loss": total.item()}
+
+
+def _depth_losses(drafter, batch: Batch, teacher_logits, draft_logits, decay: float, rows: RowSet | None = None):
+    """sum_d decay**d x (masked mean KL at depth d) over the grid rows (all, or `rows`), with metrics."""
+    n = batch.input_ids.shape[1]
     d2t = drafter.draft_to_target_ids()
     total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     metrics = {}
@@ -86,22 +106,23 @@ def ttt_loss(
             span = n - 1 - d  # draft rows whose teacher (position t + 1 + d) exists
             if span <= 0:
                 break
-            teacher = out.logits[:, 1 + d : 1 + d + span]
+            teacher = teacher_logits[:, 1 + d : 1 + d + span]
             mask = batch.loss_pos[:, 1 + d : 1 + d + span]
         else:  # row t's teacher sits at position t + 1 + d, as above, gathered
-            span = rows[0].shape[1]
-            at = rows[0] + 1 + d
+            span = rows.rows.shape[1]
+            at = rows.rows + 1 + d
             inside = at < n
             at = at.clamp_max(n - 1)
-            teacher = out.logits.gather(1, at[..., None].expand(-1, -1, out.logits.shape[-1]))
-            mask = batch.loss_pos.gather(1, at) & inside & rows[1]
+            teacher = teacher_logits.gather(1, at[..., None].expand(-1, -1, teacher_logits.shape[-1]))
+            mask = batch.loss_pos.gather(1, at) & inside & rows.real
+            if rows.num_depths is not None:
+                mask = mask & (d < rows.num_depths)
         kl = forward_kl(restrict_to_draft_vocab(teacher, d2t), logits[:, :span])
         loss_d = masked_mean(kl, mask)
         total = total + (decay**d) * loss_d
         agree = (d2t[logits[:, :span].argmax(-1)] == teacher.argmax(-1)).float()
         metrics[f"kl_{d}"] = loss_d.item()
         metrics[f"acc_{d}"] = float(masked_mean(agree, mask))
-    metrics["loss"] = total.item()
     return total, metrics
 
 
@@ -122,6 +143,8 @@ class SFTTrainer:
             raise ValueError("no training examples")
         if cfg.num_anchors and "rows" not in inspect.signature(drafter.score).parameters:
             raise ValueError(f"sft.num_anchors needs a family whose score takes rows, not '{drafter.kind}'")
+        if hasattr(drafter, "training_rows") and not cfg.num_anchors:
+            raise ValueError(f"a '{drafter.kind}' drafter trains at random anchors: set sft.num_anchors")
         self.drafter, self.target, self.examples, self.cfg = drafter, target, examples, cfg
         self.pad_id = pad_id
         self.rng = random.Random(seed)
@@ -146,7 +169,9 @@ class SFTTrainer:
             g["lr"] = lr
         batch = collate(examples, self.cfg.max_seq_len, self.pad_id)
         rows = random_rows(batch, self.cfg.num_anchors, self.gen) if self.cfg.num_anchors else None
-        loss, metrics = ttt_loss(self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay, rows=rows)
+        loss, metrics = ttt_loss(
+            self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay, rows=rows, generator=self.gen
+        )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)

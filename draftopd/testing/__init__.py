@@ -44,12 +44,19 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
     """
     torch.manual_seed(seed)
     h = target.hidden_size
-    if kind == "dflash":  # blocks of 8 (the engine tests draft up to 7); row 0 (pad) as the mask token
+    if kind in ("dflash", "d2sd"):  # blocks of 8 (the engine tests draft up to 7); row 0 (pad) as the mask token
         opts = {"block_size": 8, "mask_token_id": 0, **opts}
     cfg = DrafterConfig(kind=kind, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2, **opts)
     drafter = new_drafter(cfg, target, torch.arange(draft_vocab or target.vocab_size))
     with torch.no_grad():  # DFlash's head is the target's own: sharpen through its final norm instead
-        (drafter.norm if kind == "dflash" else drafter.lm_head).weight.mul_(4.0)
+        if kind == "dflash":
+            scaled = [drafter.norm]
+        elif kind == "d2sd":
+            scaled = [drafter.first.norm, drafter.vp.norm]
+        else:
+            scaled = [drafter.lm_head]
+        for layer in scaled:
+            layer.weight.mul_(4.0)
     return drafter
 
 
@@ -66,9 +73,12 @@ def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, s
     trajs = SpeculativeEngine(target, None, [1]).generate(prompts, SamplingConfig(max_new_tokens=40, temperature=1.0))
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
     drafter = tiny_drafter(target, seed=seed + 1, **opts)
-    if opts.get("kind") == "dflash":
-        k_depth = drafter.cfg.block_size - 1  # every offset of the block
-    cfg = SFTConfig(epochs=max(1, steps // 4), batch_size=16, lr=3e-3, ttt_depth=k_depth)
+    anchors = 0
+    if opts.get("kind") in ("dflash", "d2sd"):
+        k_depth = opts.get("block_size", 8) - 1  # every offset of the block
+    if opts.get("kind") == "d2sd":
+        anchors = 24  # D²SD trains at random anchors (its variable-prefix rows need them)
+    cfg = SFTConfig(epochs=max(1, steps // 4), batch_size=16, lr=3e-3, ttt_depth=k_depth, num_anchors=anchors)
     trainer = SFTTrainer(drafter, target, examples, cfg, seed)
     for _ in trainer.run():
         if trainer.step >= steps:

@@ -70,7 +70,16 @@ def test_fifo_eviction_is_counted():
     assert sorted(held(buf)) == [(1, 0), (1, 1), (1, 2)]
     assert buf.add([make_traj([1], prompt_index=2)]) == 1
     assert sorted(held(buf)) == [(1, 1), (1, 2), (2, 0)]
-    assert buf.stats() == {"size": 3, "num_added": 6, "num_evicted": 3, "num_stale_discarded": 0, "num_sampled": 6}
+    assert buf.stats() == {
+        "size": 3,
+        "num_added": 6,
+        "num_evicted": 3,
+        "num_stale_discarded": 0,
+        "num_sampled": 6,
+        "num_replayed_once": 4,  # (1, 0..2) in the first look, (2, 0) in the second
+        "num_discarded_unreplayed": 2,  # (0, 0) and (0, 1), evicted before anyone looked
+        "replayed_share": 4 / 6,
+    }
 
 
 def test_one_add_larger_than_capacity_keeps_the_newest():
@@ -177,3 +186,85 @@ def test_state_dict_round_trip_reproduces_the_next_samples(sampling):
 def test_bad_sampling_name_raises():
     with pytest.raises(ValueError, match="uniform, error_weighted"):
         ReplayBuffer(BufferConfig(sampling="weighted"))
+
+
+def test_replayed_share_counts_each_state_once():
+    buf = ReplayBuffer(BufferConfig(seed=11))
+    buf.add([make_traj([0] * 10)])
+    first = {key(s) for s in buf.sample(3, current_version=0)}
+    second = {key(s) for s in buf.sample(3, current_version=0)}
+    stats = buf.stats()
+    assert stats["num_sampled"] == 6
+    assert stats["num_replayed_once"] == len(first | second) < 6  # seed 11 draws two states twice
+    assert stats["replayed_share"] == len(first | second) / 10
+    buf.sample(40, current_version=0)  # with replacement, every state many times: each still counts once
+    assert buf.stats()["num_replayed_once"] == 10 and buf.stats()["replayed_share"] == 1.0
+    assert ReplayBuffer(BufferConfig()).stats()["replayed_share"] == 0.0
+
+
+def test_whole_trajectory_draws_count_as_replays():
+    buf = ReplayBuffer(BufferConfig(seed=0))
+    buf.add([make_traj([0, 1, 2], prompt_index=i) for i in range(4)])
+    drawn = buf.sample_trajectories(2, current_version=0)
+    assert len({id(s.trajectory) for s in drawn}) == 2 and len(drawn) == 6
+    assert buf.stats()["num_replayed_once"] == 6 and buf.stats()["replayed_share"] == 6 / 12
+    buf.sample_trajectories(4, current_version=0)  # all four: two are new
+    assert buf.stats()["num_replayed_once"] == 12 and buf.stats()["num_sampled"] == 18
+
+
+def test_states_leaving_unsampled_are_counted():
+    buf = ReplayBuffer(BufferConfig(capacity=4, max_staleness=1))
+    buf.add([make_traj([0, 0], version=0, prompt_index=0)])
+    assert {key(s) for s in buf.sample(2, current_version=0)} == {(0, 0), (0, 1)}
+    buf.add([make_traj([0, 0], version=0, prompt_index=1)])  # held: (0, 0) (0, 1) sampled, (1, 0) (1, 1) not
+    buf.add([make_traj([0], version=1, prompt_index=2)])  # evicts (0, 0): it was sampled
+    assert buf.stats()["num_discarded_unreplayed"] == 0
+    buf.add([make_traj([0], version=1, prompt_index=3)])  # evicts (0, 1): sampled too
+    assert buf.stats()["num_discarded_unreplayed"] == 0
+    assert buf.prune(current_version=2) == 2  # (1, 0) and (1, 1): stale, never sampled
+    stats = buf.stats()
+    assert stats["num_discarded_unreplayed"] == 2 and stats["num_replayed_once"] == 2
+    assert stats["num_evicted"] + stats["num_stale_discarded"] == 4
+
+
+def test_sample_counts_survive_a_checkpoint():
+    cfg = BufferConfig(capacity=3, seed=5)
+    buf = ReplayBuffer(cfg)
+    buf.add([make_traj([0, 0, 0])])
+    buf.sample(2, current_version=0)
+    saved = json.loads(json.dumps(buf.state_dict()))
+    assert saved["format"] == 2
+    assert sorted(row[4] for row in saved["states"]) == [0, 1, 1]
+    loaded = ReplayBuffer(cfg)
+    loaded.load_state_dict(saved)
+    loaded.sample(3, current_version=0)  # all three: only the one not sampled before is new
+    assert loaded.stats()["num_replayed_once"] == 3
+    loaded.add([make_traj([0], prompt_index=1)])  # evicts (0, 0), sampled before the checkpoint or after it
+    assert loaded.stats()["num_discarded_unreplayed"] == 0
+    unsampled = ReplayBuffer(cfg)
+    unsampled.load_state_dict(saved)
+    unsampled.add([make_traj([0, 0, 0], prompt_index=1)])  # evicts all three: one was never sampled
+    assert unsampled.stats()["num_discarded_unreplayed"] == 1
+
+
+def test_format_1_states_load_and_newer_formats_are_refused():
+    buf = ReplayBuffer(BufferConfig())
+    buf.add([make_traj([0, 1])])
+    buf.sample(2, current_version=0)
+    saved = buf.state_dict()
+    old = {
+        **saved,
+        "format": 1,
+        "states": [row[:4] for row in saved["states"]],
+        "counters": {
+            k: saved["counters"][k] for k in ("num_added", "num_evicted", "num_stale_discarded", "num_sampled")
+        },
+    }
+    loaded = ReplayBuffer(BufferConfig())
+    loaded.load_state_dict(old)
+    assert len(loaded) == 2 and loaded.stats()["num_sampled"] == 2
+    assert loaded.stats()["num_replayed_once"] == 0  # unknown before the load: replays count from here
+    loaded.sample(2, current_version=0)
+    assert loaded.stats()["num_replayed_once"] == 2
+    with pytest.raises(ValueError, match="format 3 .*newer draftopd"):
+        ReplayBuffer(BufferConfig()).load_state_dict({**saved, "format": 3})

@@ -49,9 +49,32 @@ def _prefill(target, prompts):
     return cache, valid, valid.sum(1)
 
 
-def test_cascade_pass_equals_each_row_alone():
-    """Shared-prefix attention merged with each row's own by log-sum-exp = the target run on that row alone."""
-    target = tiny_target(vocab=16)
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from draftopd.models.target import TargetModel
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg).double()
+    model.config._attn_implementation = "sdpa"
+    return TargetModel(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cascade_pass_equals_each_row_alone(arch):
+    """Shared-prefix attention merged with each row's own by log-sum-exp = the target run on that row alone
+    (Qwen3: per-head q/k norms before the rotation)."""
+    target = tiny_target(vocab=16) if arch == "llama" else _tiny_qwen3()
     cache, valid, next_pos = _prefill(target, [[3, 4, 5, 6], [7, 8]])
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(2, 16, (2, 3, 5), generator=g)

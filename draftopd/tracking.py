@@ -12,7 +12,14 @@ want their own run. Here every call names its run id explicitly.
 - Step axis: every metric is logged with `step=policy_version`, the number of drafter weight updates the
   rollout policy has seen (SFT steps count too), so rollout, learner and eval curves line up in the UI.
 - Metrics of one step go in one `log_batch` call: against a server, one HTTP call per metric costs ~70 ms.
-- Resuming: `start(resume_run_id=...)` reopens the same MLflow run, so a restarted job continues its curves.
+- Resuming: `start(resume_run_id=...)` reopens the same MLflow run, so a restarted job continues its curves;
+  `attach(run_id)` logs into a run without reopening it (a later analysis of a finished run).
+- Dashboard: experiments carry `mlflow.experimentKind=custom_model_development`, the tag by which MLflow 3 files
+  them as model training (runs and metric charts) rather than GenAI development (traces and evaluation runs).
+  MLflow 3.17's own UI follows its sidebar's workflow switch instead (GenAI unless chosen otherwise, remembered
+  per browser), so `draftopd ui` prints a link that opens in the machine-learning view. The UI groups a run's
+  charts in sections named by what precedes a metric's last '/', sorted by name, unprefixed metrics last; the
+  driver names its metrics so that acceptance (`eval/...`, `rollout/tau`) sorts before bookkeeping.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import posixpath
 import signal
 import subprocess
 import sys
@@ -36,6 +44,8 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"  # the UI's "Machine learning"; "genai_development" is GenAI
 
 
 def resolve_tracking_uri(run_dir: Path, tracking_uri: str | None = None) -> str:
@@ -97,11 +107,7 @@ class Tracker:
         """Open the store, get or create the experiment, start (or resume) the run; return its id."""
         if self._run_id is not None:
             raise RuntimeError(f"Tracker already started run {self._run_id}")
-        from mlflow.tracking import MlflowClient
-
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tracking_uri = resolve_tracking_uri(self.run_dir, self.tracking_uri)
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._open_store()
         if resume_run_id:
             run = self._client.get_run(resume_run_id)  # raises if the run is not in this store
             self._client.update_run(resume_run_id, status="RUNNING")
@@ -112,18 +118,44 @@ class Tracker:
             self._run_id = run.info.run_id
         return self._run_id
 
+    def attach(self, run_id: str) -> str:
+        """Log into an existing run of the store without reopening it: its status stays as it is (a finished run
+        stays finished, the run of a job still going keeps running)."""
+        if self._run_id is not None:
+            raise RuntimeError(f"Tracker already started run {self._run_id}")
+        from mlflow.exceptions import MlflowException
+
+        self._open_store()
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            raise FileNotFoundError(f"no MLflow run {run_id!r} in the store {self.tracking_uri}") from None
+        self._run_id = run_id
+        return run_id
+
+    def _open_store(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = resolve_tracking_uri(self.run_dir, self.tracking_uri)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
 
         found = self._client.get_experiment_by_name(self.experiment)
         if found is not None:
+            if EXPERIMENT_KIND_TAG not in found.tags:  # made before the tag was set; a kind chosen in the UI stays
+                self._client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
             return found.experiment_id
         artifacts = None
         if self.tracking_uri == _sqlite_uri(self.run_dir / "mlflow.db"):
             # the run directory's own store keeps its artifacts beside it, not in ./mlruns of the cwd
             artifacts = (self.run_dir / "mlartifacts").resolve().as_uri()
         try:
-            return self._client.create_experiment(self.experiment, artifact_location=artifacts)
+            return self._client.create_experiment(
+                self.experiment, artifact_location=artifacts, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
+            )
         except MlflowException:  # another job created it between the lookup and here
             return self._client.get_experiment_by_name(self.experiment).experiment_id
 
@@ -169,6 +201,16 @@ class Tracker:
     def log_dict(self, obj, name: str) -> None:
         """Write `obj` as the artifact `name` (JSON or YAML by the extension)."""
         self._client.log_dict(self.run_id, obj, name)
+
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        """Rows (dicts with the same keys) as the MLflow table `artifact_file` (`.json`), which the UI shows as a
+        table. MLflow appends rows to a table that exists already; here that is refused (FileExistsError), so no
+        row is ever counted twice."""
+        folder = posixpath.dirname(artifact_file) or None
+        if any(a.path == artifact_file for a in self._client.list_artifacts(self.run_id, folder)):
+            raise FileExistsError(f"MLflow run {self.run_id} already holds the table {artifact_file}")
+        columns = {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+        self._client.log_table(self.run_id, columns, artifact_file)
 
     def set_tags(self, tags: dict) -> None:
         from mlflow.entities import RunTag
@@ -232,8 +274,10 @@ def serve_ui(store: str, port: int = 5000) -> int:
     whole group; a signal ends the UI with 128 + its number, as a shell reports it.
     """
     cmd = ui_command(store, port)
+    # the link opens the UI's machine-learning view (runs, metric charts) rather than its GenAI default
     print(
-        f"MLflow UI on http://127.0.0.1:{port} (store {cmd[cmd.index('--backend-store-uri') + 1]}); Ctrl-C stops it",
+        f"MLflow UI on http://127.0.0.1:{port}/#/experiments?workflowType=machine_learning "
+        f"(store {cmd[cmd.index('--backend-store-uri') + 1]}); Ctrl-C stops it",
         flush=True,
     )
     proc = subprocess.Popen(cmd, start_new_session=True)  # its own session: a new process group led by it

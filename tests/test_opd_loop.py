@@ -129,8 +129,9 @@ def test_opd_run_trains_and_logs_curves(opd_run):
         "loss_accepted",
         "loss_rejected",
         "sync_seconds",
-        "buffer/size",
-        "buffer/num_stale_discarded",
+        "rollout/buffer/size",
+        "rollout/buffer/num_stale_discarded",
+        "rollout/buffer/replayed_share",
         "learner/samples_per_s",
     ]:
         assert client.get_metric_history(run.info.run_id, key), key

@@ -32,6 +32,15 @@ from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, lr_at
 from draftopd.sft.vocab import build_draft_vocab
 
+# MLflow's UI charts a run's metrics in sections named by what precedes the last '/', sorted by name: under
+# this prefix the buffer's bookkeeping sorts after the acceptance sections (`eval/...`, `rollout`).
+BUFFER_METRICS = "rollout/buffer"
+
+
+def buffer_metrics(stats: dict) -> dict[str, float]:
+    """`ReplayBuffer.stats()` as metrics: `rollout/buffer/size`, `rollout/buffer/replayed_share`, ..."""
+    return {f"{BUFFER_METRICS}/{k}": float(v) for k, v in stats.items()}
+
 
 def _atomic_write(path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -344,8 +353,7 @@ class Session:
         self.tracker.log_metrics(clean, step=self.state.policy_version)
 
     def buffer_stats(self) -> dict:
-        s = self.rt.get(self.buffer.stats.remote(self.state.policy_version))
-        return {f"buffer/{k}": float(v) for k, v in s.items()}
+        return buffer_metrics(self.rt.get(self.buffer.stats.remote(self.state.policy_version)))
 
     def checkpoint(self) -> None:
         """Drafter, DeepSpeed state (optimizer included), buffer and driver state into a new directory.

@@ -23,6 +23,7 @@ USER_ERRORS = (
     PromptError,
     LoadError,
     FileNotFoundError,
+    FileExistsError,
     IsADirectoryError,
     PermissionError,
 )
@@ -141,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ui", help="serve the MLflow UI for a run directory (or a tracking URI) on 127.0.0.1")
     p.add_argument("store", help="run directory holding mlflow.db, a path to an mlflow.db, or a backend store URI")
     p.add_argument("--port", type=int, default=5000)
+
+    p = sub.add_parser(
+        "rejections", help="which draft tokens, offsets, contexts and domains get rejected, from a run's replay buffer"
+    )
+    p.add_argument("run_dir", help="a Draft-OPD run directory (the buffer of its newest checkpoint is read)")
+    p.add_argument("--top", type=int, default=20, help="rows of the ranked tables (tokens, pairs, contexts) printed")
+    p.add_argument("--context", type=int, default=3, help="tokens before the rejection point that make a context")
+    p.add_argument("--json", default=None, help="write the whole report (every row) here")
+    p.add_argument("--log-mlflow", action="store_true", help="log the tables to the run's MLflow run, as tables")
 
     p = sub.add_parser(
         "cluster", help="a recipe's cluster launchers: KubeRay RayCluster/RayJob, a SLURM script, ray job submit"
@@ -508,6 +518,31 @@ def cmd_ui(args) -> int:
     return serve_ui(args.store, args.port)
 
 
+def cmd_rejections(args) -> None:
+    from draftopd.config import load_config
+    from draftopd.eval.rejections import format_report, log_report, prompt_domains, read_run_buffer, rejection_report
+    from draftopd.loading import load_tokenizer
+    from draftopd.tracking import Tracker
+
+    ckpt, state, driver_state = read_run_buffer(args.run_dir)  # before any tokenizer: no buffer fails fast
+    cfg = load_config(Path(args.run_dir) / "config.yaml")
+    d = cfg.data
+    domains = prompt_domains(d.prompts, "train", d.num_train_prompts, cfg.run.seed)
+    report = {"run_dir": str(args.run_dir), "checkpoint": str(ckpt), "policy_version": driver_state["policy_version"]}
+    report |= rejection_report(state, load_tokenizer(cfg.target.path), domains, args.context)
+    print(f"{ckpt} (policy version {report['policy_version']})")
+    print(format_report(report, args.top))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.json}")
+    if args.log_mlflow:
+        tracker = Tracker(args.run_dir, cfg.tracking.experiment, tracking_uri=cfg.tracking.tracking_uri or None)
+        tracker.attach(driver_state["mlflow_run_id"])
+        paths = log_report(report, tracker, f"rejections/{ckpt.name}")
+        print(f"MLflow run {tracker.run_id}: {', '.join(paths)}")
+
+
 def cmd_cluster(args) -> None:
     from draftopd.cluster import run
 
@@ -523,6 +558,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
     "ui": cmd_ui,
+    "rejections": cmd_rejections,
     "bench": cmd_bench,
     "cluster": cmd_cluster,
     "prepare-data": cmd_prepare_data,

@@ -138,7 +138,7 @@ def test_opd_run_trains_and_logs_curves(opd_run):
     taus = client.get_metric_history(run.info.run_id, "eval/toy/tau")
     assert all(1.0 <= m.value <= cfg.rollout.num_draft_tokens + 1 for m in taus)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"plots", "drafter", "config.yaml", "provenance.json"} <= artifacts
+    assert {"plots", "drafter", "config.yaml", "provenance.json", "rejections"} <= artifacts
     assert run.data.params["learner.zero_stage"] == "0"
 
 

@@ -109,6 +109,7 @@ def run_opd(cfg: Config, argv: list[str] | None = None, runtime=None) -> dict:
             sft_phase(s)
             s.checkpoint()
         opd_phase(s)
+        s.log_rejections()
         final = run.checkpoint_dir("final")
         s.save_drafter(final)
         tracker.log_artifact(final, "drafter")

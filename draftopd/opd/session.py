@@ -355,6 +355,19 @@ class Session:
     def buffer_stats(self) -> dict:
         return buffer_metrics(self.rt.get(self.buffer.stats.remote(self.state.policy_version)))
 
+    def log_rejections(self) -> None:
+        """The rejection explorer's tables (eval/rejections.py) over the buffer as it is now, into the MLflow run
+        under `rejections/end-v<policy version>/`; `draftopd rejections` reads the same from a checkpoint."""
+        from draftopd.eval.rejections import log_report, prompt_domains, rejection_report
+
+        d = self.cfg.data
+        domains = prompt_domains(d.prompts, "train", d.num_train_prompts, self.cfg.run.seed)
+        report = rejection_report(self.rt.get(self.buffer.state_dict.remote()), self.tokenizer, domains)
+        try:
+            log_report(report, self.tracker, f"rejections/end-v{self.state.policy_version:06d}")
+        except FileExistsError:
+            pass  # a resumed run that had logged them before it stopped
+
     def checkpoint(self) -> None:
         """Drafter, DeepSpeed state (optimizer included), buffer and driver state into a new directory.
 

@@ -113,16 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser(
         "bench",
-        help="benchmarks; 'opd-vs-sft': more SFT vs Draft-OPD at matched learner compute; "
+        help="benchmarks; 'opd-vs-sft': Draft-OPD vs more SFT as a paired, seeded experiment with a control arm; "
+        "'sft-plateau': SFT until held-out tau stops improving; "
         "'engines': the native engine vs Hugging Face generate (plain and prompt-lookup assisted); "
         "'rollout': rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native engine",
     )
-    p.add_argument("which", choices=["opd-vs-sft", "engines", "rollout"])
+    p.add_argument("which", choices=["opd-vs-sft", "sft-plateau", "engines", "rollout"])
     p.add_argument("--target", default="toy")
     p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
-    p.add_argument("--num-train-prompts", type=int, default=64)
-    p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts (per set)")
+    p.add_argument("--num-train-prompts", type=int, default=None, help="training prompts (opd-vs-sft 64, else 800)")
+    p.add_argument("--num-eval-prompts", type=int, default=None, help="held-out prompts per set (engines 16, else 32)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="token budget per prompt (engines 128, else 96)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="engines: drafts of prompt lookup")
     p.add_argument(
@@ -130,12 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="engines: a Python with vllm (and draftopd) installed; adds stock vLLM arms, alone and with EAGLE-3",
     )
-    p.add_argument("--sft-steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (opd-vs-sft 40; sft-plateau: max)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per step (opd-vs-sft 8, sft-plateau 16)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (opd-vs-sft 3e-4, sft-plateau 1e-3)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="K of the rollouts and of the curves")
+    p.add_argument("--eval-ks", type=int, nargs="+", default=[4, 7], help="opd-vs-sft: K of the final held-out taus")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="opd-vs-sft: paired seeds")
+    p.add_argument(
+        "--arms", nargs="+", default=None, help="opd-vs-sft arms (default: the baselines, opd, control, ref.)"
+    )
+    p.add_argument("--rollout-temperature", type=float, default=0.0, help="opd-vs-sft: Draft-OPD rollouts")
+    p.add_argument("--pool-temperature", type=float, default=0.5, help="the offline pool's sampling temperature")
+    p.add_argument("--learner", nargs="*", default=[], help="opd-vs-sft: learner overrides FIELD=VALUE (all OPD arms)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", required=True)
+    p.add_argument("--json", help="engines, rollout: the report's path")
+    p.add_argument("--out", help="opd-vs-sft, sft-plateau: a directory for report.json, plots and an MLflow store")
 
     _prepare_data_args(sub)
 
@@ -413,13 +424,47 @@ def cmd_make_toy_target(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    if args.which == "engines":
-        return _bench_engines(args)
-    if args.which == "rollout":
-        return _bench_rollout(args)
+    if args.which in ("engines", "rollout"):
+        if not args.json:
+            raise SystemExit(f"bench {args.which} needs --json PATH")
+        args.batch_size = args.batch_size or 8
+        args.num_train_prompts = args.num_train_prompts or 64
+        args.num_eval_prompts = args.num_eval_prompts or 16
+        return (_bench_engines if args.which == "engines" else _bench_rollout)(args)
+    if not args.out:
+        raise SystemExit(f"bench {args.which} needs --out DIR")
+    return (_bench_opd_vs_sft if args.which == "opd-vs-sft" else _bench_sft_plateau)(args)
+
+
+def _toy_sets(tokenizer, n: int, seed: int) -> dict:
+    from draftopd.data.prompts import encode_chats, toy_prompts
+
+    return {
+        name: encode_chats(tokenizer, toy_prompts("held_out", n, seed, domain))
+        for name, domain in (("toy", None), ("toy-arithmetic", "arithmetic"), ("toy-code", "code"))
+    }
+
+
+def _learner_overrides(items: list[str]) -> dict:
+    import dataclasses
+
+    from draftopd.config import LearnerConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(LearnerConfig)}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise SystemExit(f"--learner {item!r}: expected FIELD=VALUE with a learner field ({', '.join(fields)})")
+        kind = {"float": float, "int": int, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[name], str)
+        out[name] = kind(value)
+    return out
+
+
+def _bench_opd_vs_sft(args) -> None:
     import torch
 
-    from draftopd.bench.opd_vs_sft import BenchSettings, run_bench
+    from draftopd.bench.opd_vs_sft import DEFAULT_ARMS, BenchSettings, curve_plot, run_bench, table
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
     from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
@@ -428,33 +473,123 @@ def cmd_bench(args) -> None:
     target = load_target(args.target, args.aux_layer_ids)
     drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
-    torch.manual_seed(args.seed)
-    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
-    held = {
-        name: encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed, domain))
-        for name, domain in (("toy", None), ("toy-arithmetic", "arithmetic"), ("toy-code", "code"))
-    }
     s = BenchSettings(
-        sft_steps=args.sft_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
+        steps=args.steps or 40,
+        batch_size=args.batch_size or 8,
+        lr=args.lr or 3e-4,
         num_draft_tokens=args.num_draft_tokens,
-        depth=args.num_draft_tokens,
+        eval_ks=tuple(args.eval_ks),
+        eval_every=args.eval_every or 10,
+        seeds=tuple(args.seeds),
+        arms=tuple(args.arms or DEFAULT_ARMS),
+        rollout_temperature=args.rollout_temperature,
+        pool_temperature=args.pool_temperature,
+        max_new_tokens=args.max_new_tokens or 96,
+        learner=_learner_overrides(args.learner),
+    )
+    torch.manual_seed(args.seed)
+    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts or 64, seed=args.seed + 1))
+    held = _toy_sets(tokenizer, args.num_eval_prompts or 32, args.seed)
+    eos = eos_ids(tokenizer, args.target)
+    report = run_bench(target, eos, lambda: load_drafter(drafter_dir, target), train, held, s)
+    report["start_drafter"] = drafter_dir
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    curve_plot(report, out / "tau_vs_learner_tokens.png")
+    _bench_mlflow(
+        out, "opd-vs-sft", report["settings"], _opd_vs_sft_metrics(report), ["report.json", "tau_vs_learner_tokens.png"]
+    )
+    print(table(report))
+    print(f"report, plot and MLflow store in {out}")
+
+
+def _opd_vs_sft_metrics(report: dict) -> list[tuple[str, float, int]]:
+    """(name, value, step) rows: per arm the mean tau per set and K, per seed (step = seed), the curve (step =
+    learner tokens) and the headline's paired ratios."""
+    rows = []
+    for arm, r in report["arms"].items():
+        for key, (mean, lo, hi) in r["tau"].items():
+            rows += [(f"tau/{arm}/{key}", mean, 0), (f"tau_ci95_low/{arm}/{key}", lo, 0)]
+            rows.append((f"tau_ci95_high/{arm}/{key}", hi, 0))
+        for seed, info in r["seeds"].items():
+            rows += [(f"seed_tau/{arm}/{key}", v, int(seed)) for key, v in info["tau"].items()]
+            rows += [(f"curve/{arm}/seed{seed}", c["tau"], c["learner_tokens"]) for c in info["curve"]]
+        for base, by_key in r["vs"].items():
+            rows.append((f"ratio/{arm}/over/{base}", by_key[report["headline"]]["ratio"], 0))
+    return rows
+
+
+def _bench_mlflow(out: Path, name: str, settings: dict, rows: list, artifacts: list[str]) -> None:
+    from draftopd.tracking import Tracker
+
+    tracker = Tracker(out, "draftopd-bench", name)
+    tracker.start()
+    tracker.log_params(settings)
+    for metric, value, step in rows:
+        tracker.log_metrics({metric: value}, step=step)
+    for a in artifacts:
+        tracker.log_artifact(out / a)
+    tracker.end("FINISHED")
+
+
+def _bench_sft_plateau(args) -> None:
+    from draftopd.bench.sft_plateau import PlateauSettings, plateau_plot, run_plateau
+    from draftopd.config import DrafterConfig
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter, new_drafter, save_drafter
+    from draftopd.engine.speculative import SpeculativeEngine
+    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
+    from draftopd.messages import SamplingConfig
+    from draftopd.sft.trainer import SFTExample
+    from draftopd.sft.vocab import build_draft_vocab
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    eos = eos_ids(tokenizer, args.target)
+    s = PlateauSettings(
+        batch_size=args.batch_size or 16,
+        lr=args.lr or 1e-3,
+        eval_every=args.eval_every or 25,
+        max_steps=args.steps or 1500,
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens or 96,
         seed=args.seed,
-        max_new_tokens=args.max_new_tokens or BenchSettings.max_new_tokens,
     )
-    report = run_bench(
-        target, eos_ids(tokenizer, args.target), lambda: load_drafter(drafter_dir, target), train, held, s
+    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts or 800, seed=args.seed + 1))
+    sampling = SamplingConfig(s.max_new_tokens, args.pool_temperature, 0, args.seed)
+    pool = SpeculativeEngine(target, None, eos).generate(train, sampling)
+    examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in pool]
+    if args.drafter:
+        drafter = load_drafter(args.drafter, target)
+    else:
+        cfg = DrafterConfig()
+        vocab = build_draft_vocab([t.output_ids for t in pool], cfg.draft_vocab_size, len(tokenizer), eos)
+        drafter = new_drafter(cfg, target, vocab)
+    held = _toy_sets(tokenizer, args.num_eval_prompts or 32, args.seed)["toy"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_plateau(drafter, target, eos, examples, held, s, lambda d: save_drafter(d, out / "drafter"))
+    from draftopd.bench.opd_vs_sft import held_out
+
+    shipped = load_drafter(str(ASSETS / "toy-eagle3"), target)
+    reference = {
+        "shipped toy drafter": held_out(shipped, target, eos, held, s.num_draft_tokens, s.seed, s.max_new_tokens)["tau"]
+    }
+    report.update(
+        settings=s.__dict__, pool_size=len(examples), pool_temperature=args.pool_temperature, reference=reference
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'held-out set':<16} {'start':>6} {'more SFT':>8} {'Draft-OPD':>9} {'OPD/SFT':>7} {'OPD tau/(K+1)':>13}")
-    for name, r in report["per_set"].items():
-        print(
-            f"{name:<16} {r['start_tau']:>6.3f} {r['sft_tau']:>8.3f} {r['opd_tau']:>9.3f} "
-            f"{r['tau_ratio_opd_over_sft']:>7.3f} {r['opd_tau_over_ceiling']:>13.3f}"
-        )
-    print(f"learner tokens: SFT {report['sft']['learner_tokens']}, Draft-OPD {report['opd']['learner_tokens']}")
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plateau_plot(report, out / "sft_plateau.png", reference)
+    rows = [("plateau/tau", c["tau"], c["learner_tokens"]) for c in report["curve"]]
+    _bench_mlflow(out, "sft-plateau", report["settings"], rows, ["report.json", "sft_plateau.png"])
+    b = report["best"]
+    state = "plateaued" if report["plateaued"] else "still improving at the step limit"
+    print(
+        f"SFT {state}: best held-out tau {b['tau']:.3f} at step {b['step']} ({b['learner_tokens']} learner tokens); "
+        f"stopped at step {report['stopped_at_step']} ({report['epochs']:.1f} epochs of {len(examples)} responses)"
+    )
+    print(f"best drafter in {out / 'drafter'}; report, plot and MLflow store in {out}")
 
 
 def _bench_rollout(args) -> None:

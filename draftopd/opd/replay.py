@@ -88,6 +88,32 @@ def _all_rows_weights(acc_w: torch.Tensor, row: int, prompt_len: int, length: in
             acc_w[row, d, lo : hi + 1] = decay**d
 
 
+def _token_grid(seqs: list[list[int]], depth: int, pad_id: int = 0):
+    """(ids [B, W], valid [B, W], teacher-forced depth tokens [B, D, W-1]: token t+1+d at row t)."""
+    b, width = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        valid[i, : len(s)] = True
+    depth_tokens = torch.stack([torch.roll(ids, -(1 + d), 1)[:, : width - 1] for d in range(depth)], 1)
+    return ids, valid, depth_tokens
+
+
+def sequence_batch(seqs: list[tuple[list[int], int]], depth: int, decay: float, max_len: int) -> ReplayBatch:
+    """SFT rows in the replay batch's form: (ids, prompt length) sequences, the accepted stream teacher-forced on
+    every response row and no rejected stream. Scored by `opd_loss`, an SFT step and a Draft-OPD step share one
+    loss and one normalisation (the matched comparison of `draftopd bench opd-vs-sft`)."""
+    cut = [ids[:max_len] for ids, _ in seqs]
+    ids, valid, depth_tokens = _token_grid(cut, depth)
+    shape = (len(cut), depth, ids.shape[1] - 1)
+    acc_w = torch.zeros(shape)
+    for row, (s, (_, prompt_len)) in enumerate(zip(cut, seqs)):
+        _all_rows_weights(acc_w, row, prompt_len, len(s), decay)
+    zeros = torch.zeros(shape)
+    return ReplayBatch(ids, valid, depth_tokens, acc_w, zeros, torch.zeros(shape, dtype=torch.long), zeros, 0)
+
+
 def build_replay_batch(
     states: list[ErrorState],
     t2d_index: torch.Tensor,
@@ -118,16 +144,9 @@ def build_replay_batch(
             for g in groups
         ]
     seqs = [g[0].trajectory.full_ids[:max_len] for g in groups]
-    b, width = len(seqs), max(len(s) for s in seqs)
-    n = width - 1
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    valid = torch.zeros(b, width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        valid[i, : len(s)] = True
-    shape = (b, depth, n)
     # Teacher-forced tokens everywhere (token t+1+d at row t); anchor rows get their own drafts below.
-    depth_tokens = torch.stack([torch.roll(ids, -(1 + d), 1)[:, :n] for d in range(depth)], 1)
+    ids, valid, depth_tokens = _token_grid(seqs, depth, pad_id)
+    shape = (len(seqs), depth, ids.shape[1] - 1)
     acc_w, rej_w = torch.zeros(shape), torch.zeros(shape)
     rej_idx, rej_t = torch.zeros(shape, dtype=torch.long), torch.zeros(shape)
     used = 0

@@ -225,11 +225,6 @@ class LearnerConfig:
     on the replayed blocks (`anchors`, the reference's earlier mode)."""
     k3_full_vocab_target: bool = False
     """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
-    max_nonfinite_in_a_row: int = 3
-    """Stop the job after this many consecutive non-finite losses (each one skips its step)."""
-    num_threads: int = 1
-    """torch threads inside each learner rank."""
-
     rejection_loss: str = "k3"
     """Rejected-stream form: `k3` (sampled reverse KL on the drafted token, the reference), `tv` (total variation
     to the target in the drafted context; 1 - TV is the sampled acceptance rate) or `margin` (the drafter's
@@ -247,6 +242,11 @@ class LearnerConfig:
     """What a learner step replays: `trajectory` (each of learner.batch_size sampled trajectories with every
     verification step of it, as the reference) or `state` (learner.batch_size sampled error states, each with
     only its own step)."""
+    max_nonfinite_in_a_row: int = 3
+    """Stop the job after this many consecutive non-finite losses (each one skips its step)."""
+    num_threads: int = 1
+    """torch threads inside each learner rank."""
+
 
 @dataclass
 class OPDConfig:
@@ -417,15 +417,15 @@ CHOICES = {
     "sync.backend": ("object_store", "nccl", "gloo"),
     "learner.accepted_divergence": ("forward_kl", "jsd", "tv", "bernoulli_fkl"),
     "learner.accepted_rows": ("all", "anchors"),
+    "learner.rejection_loss": ("k3", "tv", "margin"),
+    "learner.rejected_offsets": ("all", "first"),
+    "learner.normalisation": ("token_mean", "stream_means"),
+    "learner.replay_unit": ("trajectory", "state"),
     "learner.lr_schedule": ("constant", "cosine"),
     "buffer.sampling": ("uniform", "error_weighted"),
 }
 
 
-    "learner.rejection_loss": ("k3", "tv", "margin"),
-    "learner.rejected_offsets": ("all", "first"),
-    "learner.normalisation": ("token_mean", "stream_means"),
-    "learner.replay_unit": ("trajectory", "state"),
 def _check_choices(cfg: Config) -> None:
     from draftopd.drafters import FAMILIES  # the family list lives with the families
 

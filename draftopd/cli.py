@@ -467,11 +467,11 @@ def _bench_opd_vs_sft(args) -> None:
     from draftopd.bench.opd_vs_sft import DEFAULT_ARMS, BenchSettings, curve_plot, run_bench, table
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
-    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    drafter_dir = resolve_drafter_path(args.drafter or "toy")
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
     s = BenchSettings(
         steps=args.steps or 40,
@@ -539,7 +539,7 @@ def _bench_sft_plateau(args) -> None:
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter, new_drafter, save_drafter
     from draftopd.engine.speculative import SpeculativeEngine
-    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
     from draftopd.messages import SamplingConfig
     from draftopd.sft.trainer import SFTExample
     from draftopd.sft.vocab import build_draft_vocab
@@ -561,7 +561,7 @@ def _bench_sft_plateau(args) -> None:
     pool = SpeculativeEngine(target, None, eos).generate(train, sampling)
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in pool]
     if args.drafter:
-        drafter = load_drafter(args.drafter, target)
+        drafter = load_drafter(resolve_drafter_path(args.drafter), target)
     else:
         cfg = DrafterConfig()
         vocab = build_draft_vocab([t.output_ids for t in pool], cfg.draft_vocab_size, len(tokenizer), eos)
@@ -572,7 +572,7 @@ def _bench_sft_plateau(args) -> None:
     report = run_plateau(drafter, target, eos, examples, held, s, lambda d: save_drafter(d, out / "drafter"))
     from draftopd.bench.opd_vs_sft import held_out
 
-    shipped = load_drafter(str(ASSETS / "toy-eagle3"), target)
+    shipped = load_drafter(resolve_drafter_path("toy"), target)
     reference = {
         "shipped toy drafter": held_out(shipped, target, eos, held, s.num_draft_tokens, s.seed, s.max_new_tokens)["tau"]
     }
@@ -596,11 +596,11 @@ def _bench_rollout(args) -> None:
     from draftopd.bench.rollout import format_rollout, run_rollout_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
-    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer, resolve_target_path
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path, resolve_target_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    drafter_dir = resolve_drafter_path(args.drafter or "toy")
     prompts = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
     report = run_rollout_bench(
         target,
@@ -622,11 +622,11 @@ def _bench_engines(args) -> None:
     from draftopd.bench.engines import format_engines, run_engines_bench
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
-    from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer, resolve_target_path
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path, resolve_target_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    drafter_dir = args.drafter or str(ASSETS / "toy-eagle3")
+    drafter_dir = resolve_drafter_path(args.drafter or "toy")
     drafter = load_drafter(drafter_dir, target)
     prompts = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed))
     eos = eos_ids(tokenizer, args.target)

@@ -53,7 +53,8 @@ class DrafterConfig:
     """Drafter family (draftopd/drafters): `eagle3`, `dflash` or `d2sd`. A checkpoint of another family is
     refused."""
     init: str = ""
-    """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter."""
+    """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter;
+    `toy` is the shipped SFT drafter of the toy target."""
     hidden_size: int = 0
     """Drafter width; 0 means the target's hidden size (the embedding is shared)."""
     intermediate_size: int = 0

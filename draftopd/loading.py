@@ -24,6 +24,14 @@ def resolve_target_path(path: str) -> Path:
     return p
 
 
+TOY_DRAFTER = "toy"
+
+
+def resolve_drafter_path(path: str) -> str:
+    """`toy` names the shipped SFT drafter of the toy target (EAGLE-3); anything else is a directory."""
+    return str(ASSETS / "toy-eagle3") if path == TOY_DRAFTER else path
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

@@ -166,38 +166,40 @@ def test_train_config_typo(capsys, tmp_path):
     one_line_error(capsys, ["train", str(recipe), "sft.epoch=1"], "did you mean 'sft.epochs'")
 
 
-def test_bench_opd_vs_sft_matches_learner_tokens(tmp_path):
-    out = tmp_path / "bench.json"
-    rc = main(
-        [
-            "bench",
-            "opd-vs-sft",
-            "--sft-steps",
-            "3",
-            "--batch-size",
-            "4",
-            "--num-train-prompts",
-            "8",
-            "--num-eval-prompts",
-            "2",
-            "--max-new-tokens",
-            "48",
-            "--json",
-            str(out),
-        ]
-    )
-    assert rc == 0
-    r = json.loads(out.read_text())
-    assert list(r["per_set"]) == ["toy", "toy-arithmetic", "toy-code"]
-    sft, opd = r["sft"]["learner_tokens"], r["opd"]["learner_tokens"]
-    assert sft > 0 and sft <= opd < sft + 4 * 320  # OPD stops within one batch of the SFT arm's budget
-    assert r["opd"]["learner_steps"] > 0
-    # Both arms start from the shipped drafter: its tau on each held-out set, counted here from the step records
-    # of a greedy decode (tokens emitted per verification: accepted drafts + 1 unless the budget cut the step),
-    # is the report's start tau.
+def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "bench"
+    arms = ["sft-pool", "sft-rollout-temp", "opd", "opd-control"]
+    argv = ["bench", "opd-vs-sft", "--steps", "2", "--batch-size", "4", "--eval-every", "1", "--seeds", "0", "1"]
+    argv += ["--num-train-prompts", "8", "--num-eval-prompts", "2", "--max-new-tokens", "48", "--eval-ks", "4"]
+    assert main([*argv, "--arms", *arms, "--out", str(out)]) == 0
+    r = json.loads((out / "report.json").read_text())
+    assert list(r["arms"]) == arms and r["headline"] == "toy/k4"
+    assert list(r["start"]) == ["toy/k4", "toy-arithmetic/k4", "toy-code/k4"]
+    for seed in ("0", "1"):
+        runs = {a: r["arms"][a]["seeds"][seed] for a in arms}
+        # Matched learner compute: the same optimizer steps and rows per arm; rows of the same prompts' responses,
+        # so about the same tokens (each arm draws its own rows).
+        assert {v["optimizer_steps"] for v in runs.values()} == {2}
+        assert {v["learner_rows"] for v in runs.values()} == {8}
+        assert runs["opd"]["learner_tokens"] == pytest.approx(runs["sft-rollout-temp"]["learner_tokens"], rel=0.2)
+        assert runs["opd"]["learner_rejected_tokens"] > 0 and runs["opd"]["share_rejected_mean"] > 0
+        assert runs["opd-control"]["share_rejected_mean"] == 0 and runs["sft-pool"]["learner_rejected_tokens"] == 0
+        assert [c["step"] for c in runs["opd"]["curve"]] == [0, 1, 2]
+    # Paired ratios are per seed, then averaged.
+    vs = r["arms"]["opd"]["vs"]["sft-pool"]["toy/k4"]
+    taus = {a: [r["arms"][a]["seeds"][k]["tau"]["toy/k4"] for k in ("0", "1")] for a in ("opd", "sft-pool")}
+    assert vs["per_seed_ratio"] == pytest.approx([o / p for o, p in zip(taus["opd"], taus["sft-pool"])])
+    lo, hi = vs["ratio_ci95"]
+    assert lo <= vs["ratio"] <= hi
+    # Every arm starts from the shipped drafter: its tau per held-out set, counted from a greedy decode's steps.
     expected = _greedy_tau(TOY_DRAFTER, num_prompts=2, max_new_tokens=48, num_draft_tokens=4)
-    assert r["start"]["tau"] == pytest.approx(expected["toy"])
-    assert {n: s["start_tau"] for n, s in r["per_set"].items()} == pytest.approx(expected)
+    assert {n: r["start"][f"{n}/k4"][0] for n in expected} == pytest.approx(expected)
+    assert (out / "tau_vs_learner_tokens.png").stat().st_size > 10_000
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("draftopd-bench").experiment_id])
+    assert run.data.metrics["tau/opd/toy/k4"] == pytest.approx(r["arms"]["opd"]["tau"]["toy/k4"][0])
 
 
 def _greedy_tau(drafter_dir: str, num_prompts: int, max_new_tokens: int, num_draft_tokens: int) -> dict:

@@ -22,7 +22,7 @@ from draftopd.config import Config, to_dict
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.eval.acceptance import acceptance_stats
-from draftopd.loading import eos_ids, load_tokenizer
+from draftopd.loading import eos_ids, load_tokenizer, resolve_drafter_path
 from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec
 from draftopd.opd.replay import opd_loss_config
@@ -221,7 +221,7 @@ class Session:
     def place_learners_for_start(self, examples: list[SFTExample]) -> None:
         """Learners with the recipe's starting drafter: `drafter.init`, or fresh over the responses' vocabulary."""
         if self.cfg.drafter.init:
-            return self.place_learners(init_path=self.cfg.drafter.init)
+            return self.place_learners(init_path=resolve_drafter_path(self.cfg.drafter.init))
         responses = [e.ids[e.prompt_len :] for e in examples]
         ids = build_draft_vocab(responses, self.cfg.drafter.draft_vocab_size, len(self.tokenizer), self.eos)
         return self.place_learners(draft_vocab=ids.tolist())

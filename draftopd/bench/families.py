@@ -1,0 +1,278 @@
+"""`draftopd bench families`: drafter families side by side on the same target, prompts and decoding settings.
+
+Families differ in what one verification step costs the drafter, so tau alone
+does not rank them: an EAGLE-3 step runs K chained drafter passes, a DFlash
+step one, a D²SD step two (the first drafter's block, then the variable-prefix
+rows in one batch). Per drafter this reports, over seeds of the held-out draw
+(mean and 95% t-interval):
+
+* tau, tokens per verification step (eval/acceptance.py);
+* drafter passes per step, *measured*: a forward hook on a module every pass
+  runs exactly once (EAGLE-3: the MLP of its one layer; DFlash and D²SD: the
+  first decoder layer of each drafter); tau per pass = tau / passes per step;
+* trainable parameters (what the family's shared, frozen embedding and head
+  are is said per family, and their size reported apart);
+* analytic drafter FLOPs per step (`step_flops`) at the run's tau and mean
+  context length;
+* tokens/s of speculative decoding vs the target alone, batch size 1, greedy,
+  and whether every output equals the target alone's (lossless).
+
+The `naive resample` arm of a D²SD drafter re-drafts the VP rows with its first
+drafter instead (a D2SDDrafter whose VP drafter *is* the first one: anchor and
+kept drafts visible, the rest filled by the first drafter): what the trained VP
+drafter adds over re-running the first, at the same step structure and cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftopd.bench.opd_vs_sft import t_interval
+from draftopd.drafters.d2sd import D2SDDrafter
+from draftopd.engine.speculative import SpeculativeEngine
+from draftopd.eval.acceptance import acceptance_stats, timed_generate
+from draftopd.messages import SamplingConfig
+
+# Modules that run exactly once per drafter pass while decoding (training paths are not used here).
+PASS_MODULES = {
+    "eagle3": lambda d: [d.midlayer.mlp],
+    "dflash": lambda d: [d.layers[0]],
+    "d2sd": lambda d: [d.first.layers[0], d.vp.layers[0]],
+}
+
+# The target's tensors a family reads but does not train, and what the parameter count leaves out.
+SHARED = {
+    "eagle3": (lambda d: [d.embed.weight], "embedding: the target's, a frozen copy (excluded); head: its own"),
+    "dflash": (lambda d: [d.embed_weight, d.head_weight], "embedding and head: the target's, shared (excluded)"),
+    "d2sd": (
+        lambda d: [d.first.embed_weight, d.first.head_weight],
+        "both drafters counted; embedding and head: the target's, shared (excluded)",
+    ),
+}
+
+
+@dataclass
+class Arm:
+    """One drafter under test: `k` drafts per step (EAGLE-3: the option; block families: block size - 1)."""
+
+    name: str
+    drafter: torch.nn.Module
+    source: str
+    k: int
+
+
+def num_drafts(drafter, k_chain: int) -> int:
+    """Drafts per step: `k_chain` for EAGLE-3, the whole block (block size - 1) for DFlash and D²SD."""
+    if drafter.kind == "eagle3":
+        return k_chain
+    cfg = drafter.first.cfg if drafter.kind == "d2sd" else drafter.cfg
+    return cfg.block_size - 1
+
+
+def naive_resample(drafter: D2SDDrafter) -> D2SDDrafter:
+    """The same D²SD step with the first drafter re-run in place of the VP drafter."""
+    return D2SDDrafter(drafter.first, drafter.first, drafter.num_candidates, drafter.vp_prefix_base).eval()
+
+
+def parameter_counts(drafter) -> dict:
+    """Trainable parameters, and the shared or frozen tensors of the target the count leaves out."""
+    shared, note = SHARED[drafter.kind]
+    return {
+        "params_trainable": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+        "params_excluded": sum(t.numel() for t in shared(drafter)),
+        "params_note": note,
+    }
+
+
+class PassCounter:
+    """Counts drafter forward passes while active (a context manager): one forward hook per pass module."""
+
+    def __init__(self, drafter):
+        self.modules = list({id(m): m for m in PASS_MODULES[drafter.kind](drafter)}.values())
+        self.count, self.handles = 0, []
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def __enter__(self) -> PassCounter:
+        self.handles = [m.register_forward_hook(self._hook) for m in self.modules]
+        return self
+
+    def __exit__(self, *_):
+        for h in self.handles:
+            h.remove()
+
+
+# ---- analytic FLOPs ---------------------------------------------------------------
+
+
+def layer_macs(width_in: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
+    """Multiply-adds per row of a decoder layer's linears: q, k, v from `width_in`, o to `hidden`, SwiGLU MLP."""
+    return width_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+
+
+def eagle3_flops(cfg, k: int, committed: float, context: float) -> float:
+    """FLOPs of one EAGLE-3 step, 2 x multiply-adds of linears and attention (norms, RoPE, softmax left out).
+
+    The step fuses the `committed` rows of the last verification (fc: n_aux * H_t -> H), runs them through the
+    layer, then K - 1 chained single rows; every row runs the layer (q/k/v read the 2H-wide input), attends
+    over `context` keys (QK and PV: 2 * heads * head_dim each) and goes through the draft-vocabulary head:
+    2 * [c * n_aux * H_t * H + (c + K - 1) * (layer(2H) + 2 * heads * head_dim * L + H * V_draft)].
+    """
+    h, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    fuse = (len(cfg.aux_layer_ids) or 3) * cfg.target_hidden_size * h
+    row = layer_macs(2 * h, h, nh, cfg.num_key_value_heads, hd, cfg.intermediate_size)
+    row += 2 * nh * hd * context + h * cfg.draft_vocab_size
+    return 2 * (committed * fuse + (committed + k - 1) * row)
+
+
+def dflash_flops(cfg, k: int, committed: float, context: float, blocks: int = 1) -> float:
+    """FLOPs of one DFlash step (`blocks` blocks at once: D²SD's VP rows), 2 x multiply-adds.
+
+    The `committed` rows become context keys and values (fc: n_aux * H -> H, then k/v projections in each of
+    the n_l layers); each block of B rows runs n_l layers (q/k/v read H), attending over the L context keys
+    and its own B; the target's head (H x V) turns K of its rows into drafts:
+    2 * [c * (n_aux * H * H + n_l * 2 * kv_heads * head_dim * H)
+         + blocks * (n_l * B * (layer(H) + 2 * heads * head_dim * (L + B)) + K * H * V)].
+    """
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    nl, bk = cfg.num_hidden_layers, cfg.block_size
+    ctx_row = len(cfg.aux_layer_ids) * h * h + nl * 2 * nkv * hd * h
+    blk_row = layer_macs(h, h, nh, nkv, hd, cfg.intermediate_size) + 2 * nh * hd * (context + bk)
+    return 2 * (committed * ctx_row + blocks * (nl * bk * blk_row + k * h * cfg.vocab_size))
+
+
+def step_flops(drafter, k: int, committed: float, context: float) -> float:
+    """Analytic drafter FLOPs of one verification step of any family (D²SD: the first block plus
+    min(num_candidates, K) VP blocks, each drafter with its own context rows)."""
+    if drafter.kind == "eagle3":
+        return eagle3_flops(drafter.cfg, k, committed, context)
+    if drafter.kind == "dflash":
+        return dflash_flops(drafter.cfg, k, committed, context)
+    vp_blocks = min(drafter.num_candidates, k)
+    first = dflash_flops(drafter.first.cfg, k, committed, context)
+    return first + dflash_flops(drafter.vp.cfg, k, committed, context, vp_blocks)
+
+
+# ---- the run ----------------------------------------------------------------------
+
+
+def _warm_up(target, drafter, eos, prompt: list[int], k: int) -> None:
+    SpeculativeEngine(target, drafter, eos).generate([prompt], SamplingConfig(8, 0.0, k))
+
+
+def _one_seed(arm: Arm, target, eos, prompts, cfg: SamplingConfig, baseline) -> dict:
+    with PassCounter(arm.drafter) as counter:
+        spec = timed_generate(SpeculativeEngine(target, arm.drafter, eos), prompts, cfg, 1)
+    stats = acceptance_stats(spec.trajectories, arm.k)
+    steps = [s for t in spec.trajectories for s in t.steps]
+    per_step = counter.count / len(steps)
+    context = sum(s.position for s in steps) / len(steps)
+    same = sum(a.output_ids == b.output_ids for a, b in zip(baseline.trajectories, spec.trajectories))
+    return {
+        "tau": stats["tau"],
+        "num_steps": len(steps),
+        "num_emitted": sum(len(s.emitted) for s in steps),
+        "drafter_passes": counter.count,
+        "passes_per_step": per_step,
+        "tau_per_pass": stats["tau"] / per_step,
+        "mean_context": context,
+        "flops_per_step": step_flops(arm.drafter, arm.k, stats["tau"], context),
+        "acceptance_per_position": stats["acceptance_per_position"],
+        "tokens_per_s": spec.tokens_per_s,
+        "tokens_per_s_target_alone": baseline.tokens_per_s,
+        "speedup": spec.tokens_per_s / baseline.tokens_per_s,
+        "identical": same,
+        "num_prompts": len(prompts),
+    }
+
+
+def _summary(arm: Arm, seeds: dict) -> dict:
+    runs = list(seeds.values())
+
+    def mean(key):
+        return sum(r[key] for r in runs) / len(runs)
+
+    same, total = sum(r["identical"] for r in runs), sum(r["num_prompts"] for r in runs)
+    return {
+        "kind": arm.drafter.kind,
+        "source": arm.source,
+        "num_draft_tokens": arm.k,
+        **parameter_counts(arm.drafter),
+        "tau": t_interval([r["tau"] for r in runs]),
+        "tau_per_pass": t_interval([r["tau_per_pass"] for r in runs]),
+        "passes_per_step": mean("passes_per_step"),
+        "flops_per_step": mean("flops_per_step"),
+        "flops_per_token": mean("flops_per_step") / mean("tau"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "tokens_per_s_target_alone": mean("tokens_per_s_target_alone"),
+        "speedup": t_interval([r["speedup"] for r in runs]),
+        "identical_to_target_alone": f"{same}/{total}",
+        "lossless": same == total,
+        "seeds": seeds,
+    }
+
+
+def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list], max_new_tokens: int) -> dict:
+    """Every arm on each seed's held-out prompts after the target alone, batch size 1, greedy."""
+    first = next(iter(prompts_by_seed.values()))[0]
+    _warm_up(target, None, eos, first, 0)
+    for arm in arms:
+        _warm_up(target, arm.drafter, eos, first, arm.k)
+    per_arm = {arm.name: {} for arm in arms}
+    for seed, prompts in prompts_by_seed.items():
+        alone = SamplingConfig(max_new_tokens, 0.0, 0, seed)
+        baseline = timed_generate(SpeculativeEngine(target, None, eos), prompts, alone, 1)
+        for arm in arms:
+            cfg = SamplingConfig(max_new_tokens, 0.0, arm.k, seed)
+            per_arm[arm.name][str(seed)] = _one_seed(arm, target, eos, prompts, cfg, baseline)
+    return {
+        "settings": {
+            "seeds": list(prompts_by_seed),
+            "num_eval_prompts": len(next(iter(prompts_by_seed.values()))),
+            "max_new_tokens": max_new_tokens,
+            "batch_size": 1,
+            "temperature": 0.0,
+        },
+        "arms": {arm.name: _summary(arm, per_arm[arm.name]) for arm in arms},
+    }
+
+
+def table(report: dict) -> str:
+    """The terminal table: one row per drafter."""
+    head = (
+        f"{'drafter':<20} {'kind':<6} {'K':>2} {'params':>9} {'MFLOP/step':>10} {'passes':>6} "
+        f"{'tau [95% CI]':>20} {'tau/pass':>8} {'tok/s':>7} {'alone':>7} {'speedup':>7} {'lossless':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, r in report["arms"].items():
+        tau, lo, hi = r["tau"]
+        lines.append(
+            f"{name:<20} {r['kind']:<6} {r['num_draft_tokens']:>2} {r['params_trainable']:>9,} "
+            f"{r['flops_per_step'] / 1e6:>10.2f} {r['passes_per_step']:>6.2f} "
+            f"{f'{tau:.3f} [{lo:.2f},{hi:.2f}]':>20} {r['tau_per_pass'][0]:>8.3f} {r['tokens_per_s']:>7.1f} "
+            f"{r['tokens_per_s_target_alone']:>7.1f} {r['speedup'][0]:>6.2f}x {r['identical_to_target_alone']:>8}"
+        )
+    lines += ["", "params: trainable; " + "; ".join(f"{n}: {r['params_note']}" for n, r in report["arms"].items())]
+    return "\n".join(lines)
+
+
+def bar_plot(report: dict, out_png) -> None:
+    """tau, tau per drafter pass and speedup per drafter, with 95% intervals over seeds, into one PNG."""
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's state alone
+
+    names = list(report["arms"])
+    fig = Figure(figsize=(12, 4), dpi=100, layout="constrained")
+    for ax, key, label in zip(
+        fig.subplots(1, 3), ("tau", "tau_per_pass", "speedup"), ("tau", "tau per drafter pass", "speedup")
+    ):
+        vals = [report["arms"][n][key] for n in names]
+        err = [[m - lo for m, lo, _ in vals], [hi - m for m, _, hi in vals]]
+        ax.bar(range(len(names)), [v[0] for v in vals], yerr=err, capsize=4, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Drafter families on held-out prompts (batch size 1, greedy)")
+    fig.savefig(out_png, format="png")

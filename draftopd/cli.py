@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks; 'opd-vs-sft': Draft-OPD vs more SFT as a paired, seeded experiment with a control arm; "
         "'sft-plateau': SFT until held-out tau stops improving; "
         "'engines': the native engine vs Hugging Face generate (plain and prompt-lookup assisted); "
-        "'rollout': rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native engine",
+        "'rollout': rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native engine; "
+        "'families': drafter families side by side (tau, tau per drafter pass, parameters, FLOPs, tokens/s)",
     )
-    p.add_argument("which", choices=["opd-vs-sft", "sft-plateau", "engines", "rollout"])
+    p.add_argument("which", choices=["opd-vs-sft", "sft-plateau", "engines", "rollout", "families"])
     p.add_argument("--target", default="toy")
     p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
@@ -137,7 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K of the rollouts and of the curves")
     p.add_argument("--eval-ks", type=int, nargs="+", default=[4, 7], help="opd-vs-sft: K of the final held-out taus")
     p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="opd-vs-sft: paired seeds")
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="opd-vs-sft: paired seeds; families: held-out draws"
+    )
+    p.add_argument(
+        "--drafters",
+        nargs="*",
+        default=[],
+        metavar="NAME=DIR",
+        help="families: drafters compared beside the shipped toy EAGLE-3 drafter (or --drafter)",
+    )
+    p.add_argument(
+        "--no-naive-resample",
+        action="store_true",
+        help="families: leave out the arm that re-drafts a D²SD drafter's VP rows with its first drafter",
+    )
     p.add_argument(
         "--arms", nargs="+", default=None, help="opd-vs-sft arms (default: the baselines, opd, control, ref.)"
     )
@@ -145,8 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-temperature", type=float, default=0.5, help="the offline pool's sampling temperature")
     p.add_argument("--learner", nargs="*", default=[], help="opd-vs-sft: learner overrides FIELD=VALUE (all OPD arms)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="engines, rollout: the report's path")
-    p.add_argument("--out", help="opd-vs-sft, sft-plateau: a directory for report.json, plots and an MLflow store")
+    p.add_argument("--json", help="engines, rollout, families: the report's path")
+    p.add_argument(
+        "--out",
+        help="opd-vs-sft, sft-plateau: a directory for report.json, plots and an MLflow store; families: a plot",
+    )
 
     _prepare_data_args(sub)
 
@@ -424,6 +442,8 @@ def cmd_make_toy_target(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    if args.which == "families":
+        return _bench_families(args)
     if args.which in ("engines", "rollout"):
         if not args.json:
             raise SystemExit(f"bench {args.which} needs --json PATH")
@@ -645,6 +665,41 @@ def _bench_engines(args) -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(format_engines(report))
+
+
+def _bench_families(args) -> None:
+    from draftopd.bench.families import Arm, bar_plot, naive_resample, num_drafts, run_families, table
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    named = {"toy-eagle3" if not args.drafter else Path(args.drafter).name: resolve_drafter_path(args.drafter or "toy")}
+    for item in args.drafters:
+        name, _, path = item.partition("=")
+        if not name or not path or name in named:
+            raise SystemExit(f"--drafters {item!r}: expected NAME=DIR with a name not used before")
+        named[name] = path
+    arms = []
+    for name, path in named.items():
+        drafter = load_drafter(path, target).eval()
+        arms.append(Arm(name, drafter, str(path), num_drafts(drafter, args.num_draft_tokens)))
+        if drafter.kind == "d2sd" and not args.no_naive_resample:
+            arms.append(
+                Arm(f"{name}-naive", naive_resample(drafter), f"{path} (VP rows by the first drafter)", arms[-1].k)
+            )
+    n = args.num_eval_prompts or 32
+    # the "toy" set of _toy_sets (held-out prompts of every domain), without building the per-domain ones
+    prompts = {seed: encode_chats(tokenizer, toy_prompts("held_out", n, seed)) for seed in args.seeds}
+    report = run_families(target, eos_ids(tokenizer, args.target), arms, prompts, args.max_new_tokens or 96)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        bar_plot(report, Path(args.out) / "families.png")
+    print(table(report))
 
 
 def cmd_ui(args) -> int:

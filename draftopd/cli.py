@@ -121,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("which", choices=["opd-vs-sft", "sft-plateau", "engines", "rollout", "families"])
     p.add_argument("--target", default="toy")
-    p.add_argument("--drafter", default=None, help="starting drafter (default: the shipped toy drafter)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="starting drafter: a directory, `toy` or `toy-plateau` (default: toy-plateau for opd-vs-sft, else toy)",
+    )
     p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3])
     p.add_argument("--num-train-prompts", type=int, default=None, help="training prompts (opd-vs-sft 64, else 800)")
     p.add_argument("--num-eval-prompts", type=int, default=None, help="held-out prompts per set (engines 16, else 32)")
@@ -491,7 +495,7 @@ def _bench_opd_vs_sft(args) -> None:
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    drafter_dir = resolve_drafter_path(args.drafter or "toy")
+    drafter_dir = resolve_drafter_path(args.drafter or "toy-plateau")
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
     s = BenchSettings(
         steps=args.steps or 40,

@@ -54,7 +54,7 @@ class DrafterConfig:
     refused."""
     init: str = ""
     """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter;
-    `toy` is the shipped SFT drafter of the toy target."""
+    `toy` is the shipped SFT drafter of the toy target, `toy-plateau` that drafter after SFT reached its plateau."""
     hidden_size: int = 0
     """Drafter width; 0 means the target's hidden size (the embedding is shared)."""
     intermediate_size: int = 0

@@ -24,12 +24,13 @@ def resolve_target_path(path: str) -> Path:
     return p
 
 
-TOY_DRAFTER = "toy"
+TOY_DRAFTERS = {"toy": "toy-eagle3", "toy-plateau": "toy-eagle3-plateau"}
 
 
 def resolve_drafter_path(path: str) -> str:
-    """`toy` names the shipped SFT drafter of the toy target (EAGLE-3); anything else is a directory."""
-    return str(ASSETS / "toy-eagle3") if path == TOY_DRAFTER else path
+    """`toy` names the shipped SFT drafter of the toy target (EAGLE-3), `toy-plateau` the same drafter trained on
+    until held-out acceptance stopped improving (`draftopd bench sft-plateau`); anything else is a directory."""
+    return str(ASSETS / TOY_DRAFTERS[path]) if path in TOY_DRAFTERS else path
 
 
 def load_tokenizer(path: str):

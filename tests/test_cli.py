@@ -193,8 +193,8 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     assert vs["per_seed_ratio"] == pytest.approx([o / p for o, p in zip(taus["opd"], taus["sft-pool"])])
     lo, hi = vs["ratio_ci95"]
     assert lo <= vs["ratio"] <= hi
-    # Every arm starts from the shipped drafter: its tau per held-out set, counted from a greedy decode's steps.
-    expected = _greedy_tau(TOY_DRAFTER, num_prompts=2, max_new_tokens=48, num_draft_tokens=4)
+    # Every arm starts from the shipped plateau drafter: its tau per held-out set, from a greedy decode's steps.
+    expected = _greedy_tau(str(ASSETS / "toy-eagle3-plateau"), num_prompts=2, max_new_tokens=48, num_draft_tokens=4)
     assert {n: r["start"][f"{n}/k4"][0] for n in expected} == pytest.approx(expected)
     assert (out / "tau_vs_learner_tokens.png").stat().st_size > 10_000
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")

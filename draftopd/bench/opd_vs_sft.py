@@ -221,6 +221,41 @@ def train_arm(name: str, drafter, target, eos, prompts, texts, curve_prompts, s:
     return out
 
 
+@torch.no_grad()
+def rejection_points(target, drafter, eos, prompts, k: int, max_new_tokens: int, seed: int) -> dict:
+    """Where greedy verification rejects: the target's entropy and top-1 probability at the first rejected draft
+    of each step against every response position, and the share of response tokens that are rejection points.
+    Greedy rollouts follow the target's own text, so these positions are all that is on-policy in them."""
+    trajs = SpeculativeEngine(target, drafter.eval(), eos).generate(
+        prompts, SamplingConfig(max_new_tokens, 0.0, k, seed)
+    )
+    at_rej, everywhere = [], []
+    for t in trajs:
+        ids = torch.tensor([t.full_ids])
+        logp = torch.log_softmax(target.forward(ids, torch.arange(ids.shape[1])[None], want_aux=False).logits[0], -1)
+        ent = -(logp.exp() * logp).sum(-1)
+        top = logp.max(-1).values.exp()
+        p = len(t.prompt_ids)
+        everywhere += [(float(ent[j - 1]), float(top[j - 1])) for j in range(p, len(t.full_ids))]
+        for step in t.steps:
+            j = step.position + step.num_accepted  # the first rejected draft's position
+            if step.rejected and j < len(t.full_ids):
+                at_rej.append((float(ent[j - 1]), float(top[j - 1])))
+
+    def mean(xs, i):
+        return sum(x[i] for x in xs) / max(len(xs), 1)
+
+    return {
+        "rejection_points": len(at_rej),
+        "response_tokens": len(everywhere),
+        "share_of_response_tokens": len(at_rej) / max(len(everywhere), 1),
+        "target_entropy_at_rejections": mean(at_rej, 0),
+        "target_entropy_everywhere": mean(everywhere, 0),
+        "target_top1_prob_at_rejections": mean(at_rej, 1),
+        "target_top1_prob_everywhere": mean(everywhere, 1),
+    }
+
+
 def _paired(per_seed: dict[str, dict[int, float]], arm: str, base: str) -> dict:
     seeds = sorted(set(per_seed[arm]) & set(per_seed[base]))
     diffs = [per_seed[arm][k] - per_seed[base][k] for k in seeds]
@@ -239,13 +274,14 @@ def run_bench(target, eos, load_start, train_prompts, eval_sets: dict[str, list]
     head = next(iter(eval_sets))
     engine = SpeculativeEngine(target, None, eos)
     results: dict[str, dict] = {name: {"seeds": {}} for name in s.arms}
-    start = {}
+    start, where = {}, {}
     for seed in s.seeds:
         texts = {}
         for data, temp in (("pool", s.pool_temperature), ("rollout", s.rollout_temperature)):
             trajs = engine.generate(train_prompts, SamplingConfig(s.max_new_tokens, temp, 0, seed))
             texts[data] = [(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
         first = load_start()
+        where[seed] = rejection_points(target, first, eos, train_prompts, s.num_draft_tokens, s.max_new_tokens, seed)
         start[seed] = {
             f"{n}/k{k}": held_out(first, target, eos, p, k, seed, s.max_new_tokens)["tau"]
             for n, p in eval_sets.items()
@@ -279,6 +315,7 @@ def run_bench(target, eos, load_start, train_prompts, eval_sets: dict[str, list]
         "headline": f"{head}/k{s.num_draft_tokens}",
         "eval_sets": {n: len(p) for n, p in eval_sets.items()},
         "start": {key: t_interval([start[k][key] for k in s.seeds]) for key in keys},
+        "rejection_points": where,
         "arms": results,
     }
 

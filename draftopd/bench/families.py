@@ -255,7 +255,8 @@ def table(report: dict) -> str:
             f"{f'{tau:.3f} [{lo:.2f},{hi:.2f}]':>20} {r['tau_per_pass'][0]:>8.3f} {r['tokens_per_s']:>7.1f} "
             f"{r['tokens_per_s_target_alone']:>7.1f} {r['speedup'][0]:>6.2f}x {r['identical_to_target_alone']:>8}"
         )
-    lines += ["", "params: trainable; " + "; ".join(f"{n}: {r['params_note']}" for n, r in report["arms"].items())]
+    notes = {r["kind"]: r["params_note"] for r in report["arms"].values()}
+    lines += ["", "params: trainable only; " + "; ".join(f"{kind}: {note}" for kind, note in notes.items())]
     return "\n".join(lines)
 
 

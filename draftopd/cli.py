@@ -684,7 +684,7 @@ def _bench_families(args) -> None:
         name, _, path = item.partition("=")
         if not name or not path or name in named:
             raise SystemExit(f"--drafters {item!r}: expected NAME=DIR with a name not used before")
-        named[name] = path
+        named[name] = resolve_drafter_path(path)
     arms = []
     for name, path in named.items():
         drafter = load_drafter(path, target).eval()

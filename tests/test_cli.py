@@ -187,6 +187,11 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
         assert runs["opd"]["learner_rejected_tokens"] > 0 and runs["opd"]["share_rejected_mean"] > 0
         assert runs["opd-control"]["share_rejected_mean"] == 0 and runs["sft-pool"]["learner_rejected_tokens"] == 0
         assert [c["step"] for c in runs["opd"]["curve"]] == [0, 1, 2]
+    # Where greedy verification rejects: a share of the response tokens, the target less sure there than overall.
+    rp = r["rejection_points"]["0"]
+    assert 0 < rp["rejection_points"] < rp["response_tokens"]
+    assert rp["share_of_response_tokens"] == pytest.approx(rp["rejection_points"] / rp["response_tokens"])
+    assert 0 < rp["target_top1_prob_at_rejections"] < 1 and rp["target_entropy_at_rejections"] > 0
     # Paired ratios are per seed, then averaged.
     vs = r["arms"]["opd"]["vs"]["sft-pool"]["toy/k4"]
     taus = {a: [r["arms"][a]["seeds"][k]["tau"]["toy/k4"] for k in ("0", "1")] for a in ("opd", "sft-pool")}

@@ -341,16 +341,23 @@ def table(report: dict) -> str:
                 f"  diff {p['diff']:+.3f} [{p['diff_ci95'][0]:+.3f},{p['diff_ci95'][1]:+.3f}]  ({seeds})"
             )
     lines.append("")
-    lines.append(f"{'arm':<18} {'steps':>6} {'rows':>6} {'tokens':>8} {'rej. tokens':>11} {'rej. share':>10}")
+    head_cols = f"{'arm':<18} {'steps':>6} {'rows':>6} {'tokens':>8} {'rej. tokens':>11} {'rej. share':>10}"
+    lines.append(head_cols + f" {'rollout tok':>11} {'rollout s':>9}")
     for name, r in report["arms"].items():
         one = next(iter(r["seeds"].values()))
         n = len(r["seeds"])
         toks = sum(v["learner_tokens"] for v in r["seeds"].values()) / n
         rej = sum(v["learner_rejected_tokens"] for v in r["seeds"].values()) / n
         share = sum(v["share_rejected_mean"] for v in r["seeds"].values()) / n
+        rollouts = [v["rollout"] for v in r["seeds"].values() if "rollout" in v]
+        cost = "{:>11} {:>9}".format("-", "-")
+        if rollouts:
+            cost = f"{sum(x['tokens'] for x in rollouts) / n:>11.0f} {sum(x['seconds'] for x in rollouts) / n:>9.1f}"
         lines.append(
             f"{name:<18} {one['optimizer_steps']:>6} {one['learner_rows']:>6} {toks:>8.0f} {rej:>11.0f} {share:>10.4f}"
+            f" {cost}"
         )
+    lines.append("(means over seeds; rollout: tokens decoded with the drafter and their seconds, not learner compute)")
     return "\n".join(lines)
 
 

@@ -192,7 +192,8 @@ def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
 
 
 def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
-    """A NaN in the replayed records gives a NaN loss: the step is skipped and counted, weights unchanged."""
+    """A NaN in the replayed records gives a NaN loss: the step is skipped and counted, weights unchanged.
+    (k3 against the recorded full-vocabulary log-probs reads the records; the default scores a fresh target pass.)"""
     import math
 
     import torch
@@ -217,7 +218,7 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
     before = ray_session.get(learner.weights.remote())
     for s in states:
         s.step.target_logprobs = [math.nan] * len(s.step.target_logprobs)
-    m = ray_session.get(learner.opd_step.remote(states, 4, 0.8, 128, OPDLossConfig()))
+    m = ray_session.get(learner.opd_step.remote(states, 4, 0.8, 128, OPDLossConfig(k3_full_vocab_target=True)))
     assert m["skipped_nonfinite"] == 1 and m["num_nonfinite_total"] == 1
     after = ray_session.get(learner.weights.remote())
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from draftopd.bench.opd_vs_sft import t_interval
-from draftopd.drafters.d2sd import D2SDDrafter
 from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.eval.acceptance import acceptance_stats, timed_generate
 from draftopd.messages import SamplingConfig
@@ -71,9 +70,10 @@ def num_drafts(drafter, k_chain: int) -> int:
     return cfg.block_size - 1
 
 
-def naive_resample(drafter: D2SDDrafter) -> D2SDDrafter:
+def naive_resample(drafter):
     """The same D²SD step with the first drafter re-run in place of the VP drafter."""
-    return D2SDDrafter(drafter.first, drafter.first, drafter.num_candidates, drafter.vp_prefix_base).eval()
+    d2sd = type(drafter)  # the family's class, reached through the drafter: no import of a family's internals
+    return d2sd(drafter.first, drafter.first, drafter.num_candidates, drafter.vp_prefix_base).eval()
 
 
 def parameter_counts(drafter) -> dict:

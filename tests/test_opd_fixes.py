@@ -300,7 +300,7 @@ def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabul
     """The drafter's distribution lives on the draft vocabulary: k3's optimum must be the target restricted to it
     (as the forward KL's is), not the full-vocabulary log-probs the rollout recorded."""
     from draftopd.opd.losses import k3
-    from draftopd.opd.replay import draft_vocab_log_mass, target_to_draft_index
+    from draftopd.opd.replay import rejected_block_targets, target_to_draft_index
     from draftopd.testing import tiny_target
 
     target = tiny_target(vocab=16)
@@ -319,7 +319,10 @@ def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabul
             want[(step.position - 2, d)] = (restricted, int(target_to_draft_index(d2t, 16)[step.draft_tokens[d]]))
         states.append(ErrorState(traj, i, 0))
     batch = build_replay_batch(states, target_to_draft_index(d2t, 16), 3, 0.8, 512)
-    restricted_t = batch.rej_target_logp - draft_vocab_log_mass(target, batch, d2t)
+    rows, ts, full = rejected_block_targets(target, batch, d2t)  # what the loss scores the rejected stream with
+    restricted_t = torch.zeros_like(batch.rej_target_logp)
+    drafted = batch.rej_draft_idx[rows, :, ts][..., None]
+    restricted_t[rows, :, ts] = torch.log_softmax(full[..., d2t], -1).gather(2, drafted).squeeze(2)
     checked = 0
     for (t, d), (best, idx) in want.items():
         if batch.rej_weight[0, d, t] == 0:

@@ -238,17 +238,6 @@ def rejected_block_targets(target, batch: ReplayBatch, d2t: torch.Tensor, chunk:
     return rows, ts, full
 
 
-def draft_vocab_log_mass(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """[B, D, n]: log of the target's probability on the draft vocabulary where each replayed step drafted, in the
-    context it was verified in; 0 at other rows. Subtracted from the recorded full-vocabulary log-probs, it gives
-    the target restricted to the draft vocabulary."""
-    out = torch.zeros_like(batch.rej_weight)
-    rows, ts, full = rejected_block_targets(target, batch, d2t, chunk)
-    if len(rows):
-        out[rows, :, ts] = torch.logsumexp(full[..., d2t], -1).to(out.dtype)
-    return out
-
-
 def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
     """Target pass (no grad) and the drafter's replayed chains; returns (target logits, [B, D, n, Vd] logits).
 

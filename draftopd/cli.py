@@ -141,6 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="learning rate (opd-vs-sft 3e-4, sft-plateau 1e-3)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K of the rollouts and of the curves")
     p.add_argument("--eval-ks", type=int, nargs="+", default=[4, 7], help="opd-vs-sft: K of the final held-out taus")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="opd-vs-sft, sft-plateau: training depth (drafts scored per row; default: opd-vs-sft K, sft-plateau 7;"
+        " a block family: block size - 1)",
+    )
+    p.add_argument(
+        "--decay", type=float, default=0.8, help="opd-vs-sft, sft-plateau: loss weight of depth d is decay**d"
+    )
+    p.add_argument(
+        "--num-anchors",
+        type=int,
+        default=0,
+        help="sft-plateau: rows scored per sequence, drawn afresh each step (DFlash's random anchors); 0: every row",
+    )
     p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     p.add_argument(
         "--seeds", type=int, nargs="+", default=[0, 1, 2], help="opd-vs-sft: paired seeds; families: held-out draws"
@@ -150,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         default=[],
         metavar="NAME=DIR",
-        help="families: drafters compared beside the shipped toy EAGLE-3 drafter (or --drafter)",
+        help="families: drafters compared beside the shipped toy EAGLE-3 drafter (or --drafter); DIR0,DIR1,...:"
+        " one drafter per seed (independently trained), drafter i on held-out draw i",
     )
     p.add_argument(
         "--no-naive-resample",
@@ -502,6 +519,8 @@ def _bench_opd_vs_sft(args) -> None:
         batch_size=args.batch_size or 8,
         lr=args.lr or 3e-4,
         num_draft_tokens=args.num_draft_tokens,
+        depth=args.depth or args.num_draft_tokens,
+        decay=args.decay,
         eval_ks=tuple(args.eval_ks),
         eval_every=args.eval_every or 10,
         seeds=tuple(args.seeds),
@@ -576,6 +595,9 @@ def _bench_sft_plateau(args) -> None:
         lr=args.lr or 1e-3,
         eval_every=args.eval_every or 25,
         max_steps=args.steps or 1500,
+        depth=args.depth or 7,
+        decay=args.decay,
+        num_anchors=args.num_anchors,
         num_draft_tokens=args.num_draft_tokens,
         max_new_tokens=args.max_new_tokens or 96,
         seed=args.seed,
@@ -672,27 +694,30 @@ def _bench_engines(args) -> None:
 
 
 def _bench_families(args) -> None:
-    from draftopd.bench.families import Arm, bar_plot, naive_resample, num_drafts, run_families, table
+    from draftopd.bench.families import Arm, bar_plot, d2sd_arms, num_drafts, run_families, table
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
     from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, args.aux_layer_ids)
-    named = {"toy-eagle3" if not args.drafter else Path(args.drafter).name: resolve_drafter_path(args.drafter or "toy")}
+    first = "toy-eagle3" if not args.drafter else Path(args.drafter).name
+    named = {first: [resolve_drafter_path(args.drafter or "toy")]}
     for item in args.drafters:
-        name, _, path = item.partition("=")
-        if not name or not path or name in named:
-            raise SystemExit(f"--drafters {item!r}: expected NAME=DIR with a name not used before")
-        named[name] = resolve_drafter_path(path)
+        name, _, paths = item.partition("=")
+        if not name or not paths or name in named:
+            raise SystemExit(f"--drafters {item!r}: expected NAME=DIR[,DIR...] with a name not used before")
+        named[name] = [resolve_drafter_path(p) for p in paths.split(",")]
+        if len(named[name]) not in (1, len(args.seeds)):
+            raise SystemExit(f"--drafters {item!r}: one directory, or one per seed ({len(args.seeds)})")
     arms = []
-    for name, path in named.items():
-        drafter = load_drafter(path, target).eval()
-        arms.append(Arm(name, drafter, str(path), num_drafts(drafter, args.num_draft_tokens)))
-        if drafter.kind == "d2sd" and not args.no_naive_resample:
-            arms.append(
-                Arm(f"{name}-naive", naive_resample(drafter), f"{path} (VP rows by the first drafter)", arms[-1].k)
-            )
+    for name, paths in named.items():
+        drafters = [load_drafter(p, target).eval() for p in paths]
+        if len({d.kind for d in drafters}) > 1:
+            raise SystemExit(f"--drafters {name}: the directories hold drafters of different families")
+        arms.append(Arm(name, drafters, ",".join(map(str, paths)), num_drafts(drafters[0], args.num_draft_tokens)))
+        if drafters[0].kind == "d2sd":
+            arms += d2sd_arms(arms[-1], naive=not args.no_naive_resample)
     n = args.num_eval_prompts or 32
     # the "toy" set of _toy_sets (held-out prompts of every domain), without building the per-domain ones
     prompts = {seed: encode_chats(tokenizer, toy_prompts("held_out", n, seed)) for seed in args.seeds}

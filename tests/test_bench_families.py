@@ -39,20 +39,31 @@ def test_flops_follow_the_documented_formulas_on_hand_computed_configs():
 def test_bench_families_compares_the_families_losslessly(tmp_path):
     target = load_target("toy", [1, 2, 3])
     save_drafter(tiny_drafter(target, kind="dflash", block_size=4), tmp_path / "dflash")
+    save_drafter(tiny_drafter(target, seed=2, kind="dflash", block_size=4), tmp_path / "dflash2")
     save_drafter(tiny_drafter(target, kind="d2sd", block_size=4, num_candidates=2), tmp_path / "d2sd")
     out = tmp_path / "bench"
     argv = ["bench", "families", "--num-eval-prompts", "2", "--max-new-tokens", "24", "--seeds", "0", "1"]
-    argv += ["--num-draft-tokens", "3", "--drafters", f"df={tmp_path / 'dflash'}", f"d2={tmp_path / 'd2sd'}"]
+    # df: one drafter per seed (seed 0 draws with dflash, seed 1 with dflash2); d2: one for both seeds.
+    df = f"df={tmp_path / 'dflash'},{tmp_path / 'dflash2'}"
+    argv += ["--num-draft-tokens", "3", "--drafters", df, f"d2={tmp_path / 'd2sd'}"]
     assert main([*argv, "--json", str(out / "r.json"), "--out", str(out)]) == 0
     r = json.loads((out / "r.json").read_text())
-    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-naive"]
+    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-first", "d2-naive"]
     assert (out / "families.png").stat().st_size > 0
     arms = r["arms"]
     # Every arm emits the target alone's tokens; K is the option for EAGLE-3 and block - 1 for the others.
     assert all(a["lossless"] and a["identical_to_target_alone"] == "4/4" for a in arms.values())
-    assert [a["num_draft_tokens"] for a in arms.values()] == [3, 3, 3, 3]
-    # Measured drafter passes per step: K chained for EAGLE-3, one block for DFlash, two for D²SD (naive too).
-    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 2]
+    assert [a["num_draft_tokens"] for a in arms.values()] == [3] * 5
+    assert [a["kind"] for a in arms.values()] == ["eagle3", "dflash", "d2sd", "dflash", "d2sd"]
+    # Measured drafter passes per step: K chained for EAGLE-3, one block for DFlash (and D²SD's first drafter
+    # alone), two for D²SD (naive too).
+    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 1, 2]
+    # D²SD is paired seed by seed with its first drafter alone and with naive resampling.
+    for base in ("first", "naive"):
+        p = r["pairs"][f"d2/d2-{base}"]
+        ratios = [arms["d2"]["seeds"][s]["tau"] / arms[f"d2-{base}"]["seeds"][s]["tau"] for s in ("0", "1")]
+        assert p["per_seed_ratio"] == pytest.approx(ratios)
+        assert p["ratio"][0] == pytest.approx(sum(ratios) / 2)
     for a in arms.values():
         for run in a["seeds"].values():
             assert run["tau"] == pytest.approx(run["num_emitted"] / run["num_steps"])
@@ -70,6 +81,13 @@ def test_bench_families_compares_the_families_losslessly(tmp_path):
         assert arms[name]["params_trainable"] == sum(p.numel() for p in drafter.parameters() if p.requires_grad)
         run = arms[name]["seeds"]["0"]
         assert run["flops_per_step"] == pytest.approx(step_flops(drafter, 3, run["tau"], run["mean_context"]))
+    # The per-seed arm ran its second drafter on seed 1's draw.
+    second = load_drafter(tmp_path / "dflash2", target)
+    trajs = SpeculativeEngine(target, second, eos_ids(tokenizer, "toy")).generate(
+        encode_chats(tokenizer, toy_prompts("held_out", 2, 1)), SamplingConfig(24, 0.0, 3, 1)
+    )
+    assert arms["df"]["seeds"]["1"]["tau"] == pytest.approx(acceptance_stats(trajs, 3)["tau"])
+    assert arms["df"]["num_drafters"] == 2
     d2 = load_drafter(tmp_path / "d2sd", target)
     assert arms["d2-naive"]["params_trainable"] == sum(p.numel() for p in d2.first.parameters())
     assert arms["df"]["params_excluded"] == 2 * 2048 * 256 and arms["toy-eagle3"]["params_excluded"] == 2048 * 256

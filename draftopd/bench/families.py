@@ -17,10 +17,17 @@ rows in one batch). Per drafter this reports, over seeds of the held-out draw
 * tokens/s of speculative decoding vs the target alone, batch size 1, greedy,
   and whether every output equals the target alone's (lossless).
 
-The `naive resample` arm of a D²SD drafter re-drafts the VP rows with its first
-drafter instead (a D2SDDrafter whose VP drafter *is* the first one: anchor and
-kept drafts visible, the rest filled by the first drafter): what the trained VP
-drafter adds over re-running the first, at the same step structure and cost.
+An arm holds one drafter, or one per seed (`NAME=DIR0,DIR1,...`: independently
+trained drafters, drafter i evaluated on held-out draw i), so that the interval
+covers the training seed as well as the prompts.
+
+Beside each D²SD drafter run two arms made from it: `-first`, its first drafter
+alone (a plain DFlash drafter, trained in the same run at the same anchors), and
+`-naive`, the same D²SD step with the VP rows re-drafted by the first drafter
+(a D2SDDrafter whose VP drafter *is* the first one: anchor and kept drafts
+visible, the rest filled by the first drafter): what the trained VP drafter adds
+over the first alone and over re-running the first, at the same step structure.
+The report pairs them per seed (`pairs`: ratios of tau with 95% t-intervals).
 """
 
 from __future__ import annotations
@@ -57,9 +64,17 @@ class Arm:
     """One drafter under test: `k` drafts per step (EAGLE-3: the option; block families: block size - 1)."""
 
     name: str
-    drafter: torch.nn.Module
+    drafters: list[torch.nn.Module]
+    """One drafter for every seed, or one per seed (in the order of the seeds)."""
     source: str
     k: int
+
+    @property
+    def drafter(self) -> torch.nn.Module:
+        return self.drafters[0]
+
+    def for_seed(self, i: int) -> torch.nn.Module:
+        return self.drafters[i] if len(self.drafters) > 1 else self.drafters[0]
 
 
 def num_drafts(drafter, k_chain: int) -> int:
@@ -74,6 +89,15 @@ def naive_resample(drafter):
     """The same D²SD step with the first drafter re-run in place of the VP drafter."""
     d2sd = type(drafter)  # the family's class, reached through the drafter: no import of a family's internals
     return d2sd(drafter.first, drafter.first, drafter.num_candidates, drafter.vp_prefix_base).eval()
+
+
+def d2sd_arms(arm: Arm, naive: bool = True) -> list[Arm]:
+    """The arms made from a D²SD arm: its first drafter alone (`-first`) and, with `naive`, `-naive`."""
+    out = [Arm(f"{arm.name}-first", [d.first for d in arm.drafters], f"{arm.source} (first drafter alone)", arm.k)]
+    if naive:
+        drafters = [naive_resample(d) for d in arm.drafters]
+        out.append(Arm(f"{arm.name}-naive", drafters, f"{arm.source} (VP rows by the first drafter)", arm.k))
+    return out
 
 
 def parameter_counts(drafter) -> dict:
@@ -163,9 +187,9 @@ def _warm_up(target, drafter, eos, prompt: list[int], k: int) -> None:
     SpeculativeEngine(target, drafter, eos).generate([prompt], SamplingConfig(8, 0.0, k))
 
 
-def _one_seed(arm: Arm, target, eos, prompts, cfg: SamplingConfig, baseline) -> dict:
-    with PassCounter(arm.drafter) as counter:
-        spec = timed_generate(SpeculativeEngine(target, arm.drafter, eos), prompts, cfg, 1)
+def _one_seed(arm: Arm, drafter, target, eos, prompts, cfg: SamplingConfig, baseline) -> dict:
+    with PassCounter(drafter) as counter:
+        spec = timed_generate(SpeculativeEngine(target, drafter, eos), prompts, cfg, 1)
     stats = acceptance_stats(spec.trajectories, arm.k)
     steps = [s for t in spec.trajectories for s in t.steps]
     per_step = counter.count / len(steps)
@@ -179,7 +203,7 @@ def _one_seed(arm: Arm, target, eos, prompts, cfg: SamplingConfig, baseline) -> 
         "passes_per_step": per_step,
         "tau_per_pass": stats["tau"] / per_step,
         "mean_context": context,
-        "flops_per_step": step_flops(arm.drafter, arm.k, stats["tau"], context),
+        "flops_per_step": step_flops(drafter, arm.k, stats["tau"], context),
         "acceptance_per_position": stats["acceptance_per_position"],
         "tokens_per_s": spec.tokens_per_s,
         "tokens_per_s_target_alone": baseline.tokens_per_s,
@@ -199,6 +223,7 @@ def _summary(arm: Arm, seeds: dict) -> dict:
     return {
         "kind": arm.drafter.kind,
         "source": arm.source,
+        "num_drafters": len(arm.drafters),
         "num_draft_tokens": arm.k,
         **parameter_counts(arm.drafter),
         "tau": t_interval([r["tau"] for r in runs]),
@@ -215,19 +240,39 @@ def _summary(arm: Arm, seeds: dict) -> dict:
     }
 
 
+def paired(report_arms: dict, arm: str, base: str) -> dict:
+    """tau of `arm` over `base`, seed by seed: mean ratio and difference with 95% t-intervals."""
+    seeds = report_arms[arm]["seeds"]
+    ratios = [seeds[k]["tau"] / report_arms[base]["seeds"][k]["tau"] for k in seeds]
+    diffs = [seeds[k]["tau"] - report_arms[base]["seeds"][k]["tau"] for k in seeds]
+    return {"ratio": t_interval(ratios), "diff": t_interval(diffs), "per_seed_ratio": ratios}
+
+
 def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list], max_new_tokens: int) -> dict:
-    """Every arm on each seed's held-out prompts after the target alone, batch size 1, greedy."""
+    """Every arm on each seed's held-out prompts after the target alone, batch size 1, greedy; an arm with one
+    drafter per seed runs its i-th drafter on the i-th seed's prompts."""
+    for arm in arms:
+        if len(arm.drafters) not in (1, len(prompts_by_seed)):
+            raise ValueError(f"arm {arm.name!r}: {len(arm.drafters)} drafters for {len(prompts_by_seed)} seeds")
     first = next(iter(prompts_by_seed.values()))[0]
     _warm_up(target, None, eos, first, 0)
     for arm in arms:
         _warm_up(target, arm.drafter, eos, first, arm.k)
     per_arm = {arm.name: {} for arm in arms}
-    for seed, prompts in prompts_by_seed.items():
+    for i, (seed, prompts) in enumerate(prompts_by_seed.items()):
         alone = SamplingConfig(max_new_tokens, 0.0, 0, seed)
         baseline = timed_generate(SpeculativeEngine(target, None, eos), prompts, alone, 1)
         for arm in arms:
             cfg = SamplingConfig(max_new_tokens, 0.0, arm.k, seed)
-            per_arm[arm.name][str(seed)] = _one_seed(arm, target, eos, prompts, cfg, baseline)
+            per_arm[arm.name][str(seed)] = _one_seed(arm, arm.for_seed(i), target, eos, prompts, cfg, baseline)
+    summaries = {arm.name: _summary(arm, per_arm[arm.name]) for arm in arms}
+    pairs = {
+        f"{arm.name}/{arm.name}-{base}": paired(summaries, arm.name, f"{arm.name}-{base}")
+        for arm in arms
+        if arm.drafter.kind == "d2sd"
+        for base in ("first", "naive")
+        if f"{arm.name}-{base}" in summaries
+    }
     return {
         "settings": {
             "seeds": list(prompts_by_seed),
@@ -236,7 +281,8 @@ def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list],
             "batch_size": 1,
             "temperature": 0.0,
         },
-        "arms": {arm.name: _summary(arm, per_arm[arm.name]) for arm in arms},
+        "arms": summaries,
+        "pairs": pairs,
     }
 
 
@@ -257,6 +303,11 @@ def table(report: dict) -> str:
         )
     notes = {r["kind"]: r["params_note"] for r in report["arms"].values()}
     lines += ["", "params: trainable only; " + "; ".join(f"{kind}: {note}" for kind, note in notes.items())]
+    if report.get("pairs"):
+        lines += ["", "paired tau ratios (mean [95% CI] over seeds; per seed):"]
+    for name, p in report.get("pairs", {}).items():
+        (r, lo, hi), per_seed = p["ratio"], ", ".join(f"{x:.3f}" for x in p["per_seed_ratio"])
+        lines.append(f"  {name:<28} {r:.3f} [{lo:.3f},{hi:.3f}]  ({per_seed})")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from draftopd.bench.opd_vs_sft import held_out
-from draftopd.sft.trainer import SFTExample, collate, ttt_loss
+from draftopd.sft.trainer import SFTExample, collate, random_rows, ttt_loss
 
 
 @dataclass
@@ -26,6 +26,8 @@ class PlateauSettings:
     lr: float = 1e-3
     depth: int = 7
     decay: float = 0.8
+    num_anchors: int = 0
+    """Rows scored per sequence, drawn afresh each step (DFlash's random anchors); 0: every row."""
     max_seq_len: int = 320
     eval_every: int = 25
     patience: int = 4
@@ -39,7 +41,7 @@ class PlateauSettings:
 def run_plateau(drafter, target, eos, examples: list[SFTExample], prompts: list, s: PlateauSettings, save) -> dict:
     """Train `drafter` in place; `save(drafter)` is called at every new best. Returns the curve and the plateau."""
     torch.manual_seed(s.seed)
-    rng, order = random.Random(s.seed), []
+    rng, order, gen = random.Random(s.seed), [], torch.Generator().manual_seed(s.seed)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=s.lr, betas=(0.9, 0.95))
     curve, tokens, best, since_best, t0 = [], 0, None, 0, time.perf_counter()
 
@@ -65,7 +67,8 @@ def run_plateau(drafter, target, eos, examples: list[SFTExample], prompts: list,
         batch = collate([examples[i] for i in picked], s.max_seq_len)
         tokens += int(batch.valid.sum())
         drafter.train()
-        loss, _ = ttt_loss(drafter, target, batch, s.depth, s.decay)
+        rows = random_rows(batch, s.num_anchors, gen) if s.num_anchors else None
+        loss, _ = ttt_loss(drafter, target, batch, s.depth, s.decay, rows=rows, generator=gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

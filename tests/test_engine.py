@@ -107,7 +107,9 @@ def small_vocab(request):
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_sampling_output_is_distributed_as_the_target(small_vocab, k):
     target, drafter, probs = small_vocab
-    counts, trajs = sample_counts(target, drafter if k else None, [2, 3, 4], 3, k, rows=40000, seed=11 + k)
+    if k == 0 and drafter.kind != next(iter(FAMILIES)):
+        pytest.skip("K=0 decodes with the target alone: the same test for every family, run once")
+    counts, trajs = sample_counts(target, drafter if k else None, [2, 3, 4], 3, k, rows=20000, seed=11 + k)
     assert chi_square_p_value(counts, probs) > FALSE_ALARM
     if k:
         rates = [s.num_accepted for t in trajs for s in t.steps]
@@ -130,7 +132,7 @@ def test_sampling_check_detects_a_lossy_rule(small_vocab, monkeypatch):
 
     monkeypatch.setattr(spec_mod, "rejection_verify", accept_all)
     monkeypatch.setattr(spec_mod, "first_valid_row_walk", accept_first_row)
-    counts, _ = sample_counts(target, drafter, [2, 3, 4], 3, 2, rows=40000, seed=3)
+    counts, _ = sample_counts(target, drafter, [2, 3, 4], 3, 2, rows=20000, seed=3)
     assert chi_square_p_value(counts, probs) < FALSE_ALARM
 
 

@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=35.0, help="training time budget")
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser(
+        "make-toy-draft-lm", help="train the toy autoregressive draft LM (PARD's starting point) on the toy corpus"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    p.add_argument("--target", default="toy", help="target whose tokenizer the draft LM uses (default: toy)")
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
         "bench",
         help="benchmarks; 'opd-vs-sft': Draft-OPD vs more SFT as a paired, seeded experiment with a control arm; "
         "'sft-plateau': SFT until held-out tau stops improving; "
@@ -462,6 +469,13 @@ def cmd_make_toy_target(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def cmd_make_toy_draft_lm(args) -> None:
+    from draftopd.toy.draft_lm import ToyDraftLMSpec, make_toy_draft_lm
+
+    report = make_toy_draft_lm(args.out, args.target, ToyDraftLMSpec(minutes=args.minutes, seed=args.seed))
+    print(json.dumps(report, indent=2))
+
+
 def cmd_bench(args) -> None:
     if args.which == "families":
         return _bench_families(args)
@@ -776,6 +790,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "eval": cmd_eval,
     "make-toy-target": cmd_make_toy_target,
+    "make-toy-draft-lm": cmd_make_toy_draft_lm,
     "ui": cmd_ui,
     "rejections": cmd_rejections,
     "bench": cmd_bench,

@@ -125,9 +125,37 @@ def held_out_loss(model, rows: torch.Tensor, batch_size: int = 32) -> float:
     return total / count
 
 
+def train_for(model, rows: torch.Tensor, batch_size: int, peak_lr: float, minutes: float, seed: int, desc: str) -> int:
+    """Next-token training on random packed rows for `minutes` of wall time; returns the number of steps."""
+    from tqdm import tqdm
+
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    budget = minutes * 60
+    start, step, warmup = time.monotonic(), 0, 100
+    bar = tqdm(total=int(budget), desc=desc, unit="s")
+    gen = torch.Generator().manual_seed(seed)
+    while (elapsed := time.monotonic() - start) < budget:
+        # Cosine schedule on wall time, so a fixed budget always ends at a low learning rate.
+        frac = elapsed / budget
+        lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = rows[torch.randint(len(rows), (batch_size,), generator=gen)]
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        bar.n = int(min(elapsed, budget))
+        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
+    bar.close()
+    return step
+
+
 def make_toy_target(out_dir: str | Path, spec: ToyTargetSpec | None = None) -> dict:
     """Build corpus and tokenizer, train the toy Llama for `spec.minutes`, save it; returns the report."""
-    from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
     spec = spec or ToyTargetSpec()
@@ -141,28 +169,7 @@ def make_toy_target(out_dir: str | Path, spec: ToyTargetSpec | None = None) -> d
     train_rows = _pack(encode(train), spec.seq_len, tokenizer.pad_token_id)
     held_rows = _pack(encode(held), spec.seq_len, tokenizer.pad_token_id)
     model = LlamaForCausalLM(llama_config(spec, tokenizer))
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    budget = spec.minutes * 60
-    start, step, warmup = time.monotonic(), 0, 100
-    bar = tqdm(total=int(budget), desc="toy target", unit="s")
-    gen = torch.Generator().manual_seed(spec.seed)
-    while (elapsed := time.monotonic() - start) < budget:
-        # Cosine schedule on wall time, so a fixed budget always ends at a low learning rate.
-        frac = elapsed / budget
-        lr = spec.lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = train_rows[torch.randint(len(train_rows), (spec.batch_size,), generator=gen)]
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.n = int(min(elapsed, budget))
-        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", lr=f"{lr:.1e}")
-    bar.close()
+    step = train_for(model, train_rows, spec.batch_size, spec.lr, spec.minutes, spec.seed, "toy target")
     report = {
         "held_out_loss_nats_per_token": held_out_loss(model, held_rows),
         "uniform_loss_nats_per_token": math.log(spec.vocab_size),

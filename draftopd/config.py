@@ -50,8 +50,8 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     kind: str = "eagle3"
-    """Drafter family (draftopd/drafters): `eagle3`, `dflash` or `d2sd`. A checkpoint of another family is
-    refused."""
+    """Drafter family (draftopd/drafters): `eagle3`, `dflash`, `d2sd` or `pard`. A checkpoint of another family
+    is refused."""
     init: str = ""
     """Start from this checkpoint directory (of family `kind`, in any layout it reads) instead of a fresh drafter;
     `toy` is the shipped SFT drafter of the toy target, `toy-plateau` that drafter after SFT reached its plateau."""
@@ -77,7 +77,10 @@ class DrafterConfig:
     block_size: int = 16
     """DFlash: tokens per drafted block, the anchor and block_size - 1 mask tokens (drafts per step <= this - 1)."""
     mask_token_id: int = -1
-    """DFlash: the vocabulary row the block's mask tokens use (an unused one, such as the tokenizer's `<|mask|>`)."""
+    """DFlash and PARD: the vocabulary row the mask tokens use (an unused one, such as the tokenizer's `<|mask|>`)."""
+    base_lm: str = ""
+    """PARD: the autoregressive draft LM (a Hugging Face Llama directory with the target's vocabulary) that PARD
+    training converts; empty: a random Llama of this section's shape."""
     num_candidates: int = 4
     """D²SD: rejection boundaries of the first drafter's block re-drafted by the variable-prefix drafter per step."""
     vp_prefix_base: float = 0.9
@@ -130,6 +133,20 @@ class SFTConfig:
     `score` must take `rows`); 0: every row."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
+    cod_ratio: float = 0.7
+    """PARD: conditional drop keeps int(L * max(cod_ratio ** i, cod_min)) positions of mask copy i (published 0.7)."""
+    cod_min: float = 0.1
+    """PARD: the floor of conditional drop's kept share (published 0.1 for PARD-2 at K=16, 0.2 for PARD at K=8)."""
+    feature_drop: float = 0.2
+    """PARD: probability that a sample's target features are zeroed (trains the target-independent mode; published
+    0.2 for Llama targets, 0.1 for Qwen3; 1.0 trains PARD-1, which has no features)."""
+    ce_weight: float = 0.1
+    """PARD: weight of the cross-entropy on the gold tokens (published 0.1)."""
+    kd_weight: float = 1.0
+    """PARD: weight of the forward KL to the target's distribution (published 1.0)."""
+    cat_weights: bool = True
+    """PARD: weight each label by the target's probability of the gold tokens between its context and it (CAT);
+    false: every label weighs 1 (PARD-1)."""
 
 
 @dataclass
@@ -444,6 +461,8 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(
             "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
         )
+    if cfg.opd.enabled and cfg.drafter.kind == "pard":
+        raise ConfigError("drafter.kind=pard: Draft-OPD of a PARD drafter is not implemented yet (SFT only)")
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"

@@ -17,9 +17,10 @@ import torch
 from draftopd.drafters.d2sd import D2SDDrafter
 from draftopd.drafters.dflash import DFlashDrafter
 from draftopd.drafters.eagle3 import Eagle3Drafter
+from draftopd.drafters.pard import PardDrafter
 from draftopd.loading import LoadError
 
-FAMILIES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter, "d2sd": D2SDDrafter}
+FAMILIES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter, "d2sd": D2SDDrafter, "pard": PardDrafter}
 
 
 def detect_kind(config: dict) -> str:

@@ -4,7 +4,9 @@ The loss at depth d compares the drafter's prediction d + 1 tokens past its
 context (for EAGLE-3 the chain step computed from its own fed-back states:
 training-time test) with the target's distribution at the same place,
 restricted to the draft vocabulary: forward KL, weighted `depth_decay ** d`,
-averaged over response positions. The trainer is a plain
+averaged over response positions. A family with its own published objective
+(PARD: conditional drop, CAT weights, CE + KD) gives `sft_loss`, used instead.
+The trainer is a plain
 class (no Ray, no DeepSpeed) so tests and the Draft-OPD learner can drive it.
 """
 
@@ -168,10 +170,7 @@ class SFTTrainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         batch = collate(examples, self.cfg.max_seq_len, self.pad_id)
-        rows = random_rows(batch, self.cfg.num_anchors, self.gen) if self.cfg.num_anchors else None
-        loss, metrics = ttt_loss(
-            self.drafter, self.target, batch, self.cfg.ttt_depth, self.cfg.depth_decay, rows=rows, generator=self.gen
-        )
+        loss, metrics = self._loss(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
@@ -179,6 +178,18 @@ class SFTTrainer:
         self.step += 1
         metrics.update(step=self.step, lr=lr, grad_norm=float(grad_norm))
         return metrics
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """The family's own SFT objective when it has one (PARD: COD, CAT weights, CE + KD), else `ttt_loss`."""
+        cfg = self.cfg
+        if hasattr(self.drafter, "sft_loss"):
+            out = self.target.forward(
+                batch.input_ids, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids)
+            )
+            loss, metrics = self.drafter.sft_loss(batch, out, cfg.ttt_depth, cfg, self.gen)
+            return loss, {**metrics, "loss": loss.item()}
+        rows = random_rows(batch, cfg.num_anchors, self.gen) if cfg.num_anchors else None
+        return ttt_loss(self.drafter, self.target, batch, cfg.ttt_depth, cfg.depth_decay, rows=rows, generator=self.gen)
 
     def run(self):
         for examples in self.batches():

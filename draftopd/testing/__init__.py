@@ -46,6 +46,8 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
     h = target.hidden_size
     if kind in ("dflash", "d2sd"):  # blocks of 8 (the engine tests draft up to 7); row 0 (pad) as the mask token
         opts = {"block_size": 8, "mask_token_id": 0, **opts}
+    if kind == "pard":  # a random Llama draft LM (no base_lm); row 0 (pad) as the mask token
+        opts = {"mask_token_id": 0, **opts}
     cfg = DrafterConfig(kind=kind, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2, **opts)
     drafter = new_drafter(cfg, target, torch.arange(draft_vocab or target.vocab_size))
     with torch.no_grad():  # DFlash's head is the target's own: sharpen through its final norm instead
@@ -76,6 +78,8 @@ def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, s
     anchors = 0
     if opts.get("kind") in ("dflash", "d2sd"):
         k_depth = opts.get("block_size", 8) - 1  # every offset of the block
+    if opts.get("kind") == "pard":
+        k_depth = 8  # K = 8 copies: up to 7 masks, as many drafts per pass as the engine tests ask for
     if opts.get("kind") == "d2sd":
         anchors = 24  # D²SD trains at random anchors (its variable-prefix rows need them)
     cfg = SFTConfig(epochs=max(1, steps // 4), batch_size=16, lr=3e-3, ttt_depth=k_depth, num_anchors=anchors)

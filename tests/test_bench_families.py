@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftopd.bench.families import dflash_flops, eagle3_flops, step_flops
+from draftopd.bench.families import dflash_flops, eagle3_flops, pard_flops, step_flops
 from draftopd.cli import main
 from draftopd.data.prompts import encode_chats, toy_prompts
 from draftopd.drafters import load_drafter, save_drafter
@@ -34,6 +34,13 @@ def test_flops_follow_the_documented_formulas_on_hand_computed_configs():
     # D²SD: the first block plus min(num_candidates, K) = 2 VP blocks, each drafter with its own context rows.
     d2 = SimpleNamespace(kind="d2sd", first=SimpleNamespace(cfg=df), vp=SimpleNamespace(cfg=df), num_candidates=4)
     assert step_flops(d2, 2, 2, 5) == 2912 + 2 * (2 * 64 + 2 * block)
+    # PARD: c + K - 1 = 3 rows through 2 layers of the draft LM (H=4, MLP 8, 2 heads of 2, 1 kv head): a row
+    # per layer: q/k/v 4*4*2 = 32, o 16, MLP 96, attention 2*2*2*5 = 40 -> 184; features 6 -> 4: 24 per row;
+    # head on K=2 rows: 2*4*10.
+    lm = {"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2}
+    lm |= {"num_key_value_heads": 1, "head_dim": 2, "vocab_size": 10}
+    assert pard_flops(lm, 2, 2, 5, 6) == 2 * (3 * (2 * 184 + 24) + 2 * 4 * 10)
+    assert pard_flops(lm, 2, 2, 5, 0) == 2 * (3 * 2 * 184 + 2 * 4 * 10)  # target-independent: no features
 
 
 def test_bench_families_compares_the_families_losslessly(tmp_path):
@@ -41,23 +48,24 @@ def test_bench_families_compares_the_families_losslessly(tmp_path):
     save_drafter(tiny_drafter(target, kind="dflash", block_size=4), tmp_path / "dflash")
     save_drafter(tiny_drafter(target, seed=2, kind="dflash", block_size=4), tmp_path / "dflash2")
     save_drafter(tiny_drafter(target, kind="d2sd", block_size=4, num_candidates=2), tmp_path / "d2sd")
+    save_drafter(tiny_drafter(target, kind="pard", num_hidden_layers=1), tmp_path / "pard")
     out = tmp_path / "bench"
     argv = ["bench", "families", "--num-eval-prompts", "2", "--max-new-tokens", "24", "--seeds", "0", "1"]
     # df: one drafter per seed (seed 0 draws with dflash, seed 1 with dflash2); d2: one for both seeds.
     df = f"df={tmp_path / 'dflash'},{tmp_path / 'dflash2'}"
-    argv += ["--num-draft-tokens", "3", "--drafters", df, f"d2={tmp_path / 'd2sd'}"]
+    argv += ["--num-draft-tokens", "3", "--drafters", df, f"d2={tmp_path / 'd2sd'}", f"pd={tmp_path / 'pard'}"]
     assert main([*argv, "--json", str(out / "r.json"), "--out", str(out)]) == 0
     r = json.loads((out / "r.json").read_text())
-    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-first", "d2-naive"]
+    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-first", "d2-naive", "pd"]
     assert (out / "families.png").stat().st_size > 0
     arms = r["arms"]
     # Every arm emits the target alone's tokens; K is the option for EAGLE-3 and block - 1 for the others.
     assert all(a["lossless"] and a["identical_to_target_alone"] == "4/4" for a in arms.values())
-    assert [a["num_draft_tokens"] for a in arms.values()] == [3] * 5
-    assert [a["kind"] for a in arms.values()] == ["eagle3", "dflash", "d2sd", "dflash", "d2sd"]
+    assert [a["num_draft_tokens"] for a in arms.values()] == [3] * 6
+    assert [a["kind"] for a in arms.values()] == ["eagle3", "dflash", "d2sd", "dflash", "d2sd", "pard"]
     # Measured drafter passes per step: K chained for EAGLE-3, one block for DFlash (and D²SD's first drafter
-    # alone), two for D²SD (naive too).
-    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 1, 2]
+    # alone) and PARD, two for D²SD (naive too).
+    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 1, 2, 1]
     # D²SD is paired seed by seed with its first drafter alone and with naive resampling.
     for base in ("first", "naive"):
         p = r["pairs"][f"d2/d2-{base}"]
@@ -71,7 +79,11 @@ def test_bench_families_compares_the_families_losslessly(tmp_path):
     # tau is what the engine records for the same held-out draw (seed 0's prompts).
     tokenizer = load_tokenizer("toy")
     prompts = encode_chats(tokenizer, toy_prompts("held_out", 2, 0))  # seed 0's draw
-    for name, path in (("toy-eagle3", "draftopd/assets/toy-eagle3"), ("d2", tmp_path / "d2sd")):
+    for name, path in (
+        ("toy-eagle3", "draftopd/assets/toy-eagle3"),
+        ("d2", tmp_path / "d2sd"),
+        ("pd", tmp_path / "pard"),
+    ):
         drafter = load_drafter(path, target)
         trajs = SpeculativeEngine(target, drafter, eos_ids(tokenizer, "toy")).generate(
             prompts, SamplingConfig(24, 0.0, 3, 0)

@@ -46,6 +46,7 @@ PASS_MODULES = {
     "eagle3": lambda d: [d.midlayer.mlp],
     "dflash": lambda d: [d.layers[0]],
     "d2sd": lambda d: [d.first.layers[0], d.vp.layers[0]],
+    "pard": lambda d: [d.lm.model.layers[0]],
 }
 
 # The target's tensors a family reads but does not train, and what the parameter count leaves out.
@@ -56,6 +57,7 @@ SHARED = {
         lambda d: [d.first.embed_weight, d.first.head_weight],
         "both drafters counted; embedding and head: the target's, shared (excluded)",
     ),
+    "pard": (lambda d: [], "embedding and head: its own draft LM's (counted), with the feature projection"),
 }
 
 
@@ -78,8 +80,9 @@ class Arm:
 
 
 def num_drafts(drafter, k_chain: int) -> int:
-    """Drafts per step: `k_chain` for EAGLE-3, the whole block (block size - 1) for DFlash and D²SD."""
-    if drafter.kind == "eagle3":
+    """Drafts per step: `k_chain` for EAGLE-3 and PARD (any K), the whole block (block size - 1) for DFlash
+    and D²SD."""
+    if drafter.kind in ("eagle3", "pard"):
         return k_chain
     cfg = drafter.first.cfg if drafter.kind == "d2sd" else drafter.cfg
     return cfg.block_size - 1
@@ -168,6 +171,19 @@ def dflash_flops(cfg, k: int, committed: float, context: float, blocks: int = 1)
     return 2 * (committed * ctx_row + blocks * (nl * bk * blk_row + k * h * cfg.vocab_size))
 
 
+def pard_flops(cfg: dict, k: int, committed: float, context: float, num_features: int) -> float:
+    """FLOPs of one PARD step with a KV cache, 2 x multiply-adds: the `committed` rows of the last verification
+    (the pending token among them) plus K - 1 mask rows run every layer of the draft LM (`cfg`: its Hugging Face
+    config dict), attending over the L context keys; in the target-dependent mode each row also projects its
+    `num_features` target features (F -> H); the LM head turns the last K rows into drafts:
+    2 * [(c + K - 1) * (n_l * (layer(H) + 2 * heads * head_dim * L) + F * H) + K * H * V].
+    (The native proposer recomputes the whole context each step; this counts what a cached drafter runs.)"""
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    row = cfg["num_hidden_layers"] * (layer_macs(h, h, nh, nkv, hd, cfg["intermediate_size"]) + 2 * nh * hd * context)
+    return 2 * ((committed + k - 1) * (row + num_features * h) + k * h * cfg["vocab_size"])
+
+
 def step_flops(drafter, k: int, committed: float, context: float) -> float:
     """Analytic drafter FLOPs of one verification step of any family (D²SD: the first block plus
     min(num_candidates, K) VP blocks, each drafter with its own context rows)."""
@@ -175,6 +191,9 @@ def step_flops(drafter, k: int, committed: float, context: float) -> float:
         return eagle3_flops(drafter.cfg, k, committed, context)
     if drafter.kind == "dflash":
         return dflash_flops(drafter.cfg, k, committed, context)
+    if drafter.kind == "pard":
+        features = drafter.target_proj.in_features if drafter.target_dependent else 0
+        return pard_flops(drafter.lm.config.to_dict(), k, committed, context, features)
     vp_blocks = min(drafter.num_candidates, k)
     first = dflash_flops(drafter.first.cfg, k, committed, context)
     return first + dflash_flops(drafter.vp.cfg, k, committed, context, vp_blocks)

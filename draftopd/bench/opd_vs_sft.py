@@ -122,6 +122,18 @@ def _step(opt, drafter, loss) -> float:
     return float(norm)
 
 
+def epoch_batches(n: int, batch_size: int, rng: random.Random):
+    """Endless batches of indices into n examples, reshuffled every epoch; a batch may straddle two epochs."""
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size:  # a new epoch: reshuffled
+            fresh = list(range(n))
+            rng.shuffle(fresh)
+            order += fresh
+        picked, order = order[:batch_size], order[batch_size:]
+        yield picked
+
+
 def held_out(drafter, target, eos, prompts, k: int, seed: int, max_new_tokens: int) -> dict:
     trajs = SpeculativeEngine(target, drafter.eval(), eos).generate(
         prompts, SamplingConfig(max_new_tokens, 0.0, k, seed)
@@ -135,17 +147,12 @@ class _Rows:
     def __init__(self, name, drafter, target, eos, prompts, texts, s: BenchSettings, seed: int):
         self.name, self.drafter, self.target, self.eos, self.s, self.seed = name, drafter, target, eos, s, seed
         self.prompts, self.texts = prompts, texts
-        self.rng, self.order = random.Random(seed), []
+        self.batches = epoch_batches(len(texts), s.batch_size, random.Random(seed))
         self.buffer = ReplayBuffer(BufferConfig(capacity=4096, max_staleness=s.max_staleness, seed=seed))
         self.next_prompt, self.rollout_s, self.rollout_tokens, self.recorded = seed * 7919, 0.0, 0, 0
 
     def sft_batch(self) -> list:
-        if len(self.order) < self.s.batch_size:  # a new epoch: reshuffled
-            fresh = list(range(len(self.texts)))
-            self.rng.shuffle(fresh)
-            self.order += fresh
-        picked, self.order = self.order[: self.s.batch_size], self.order[self.s.batch_size :]
-        return [self.texts[i] for i in picked]
+        return [self.texts[i] for i in next(self.batches)]
 
     def rollout(self, version: int) -> None:
         s, n = self.s, len(self.prompts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from draftopd.bench.opd_vs_sft import held_out
+from draftopd.bench.opd_vs_sft import epoch_batches, held_out
 from draftopd.sft.trainer import SFTExample, collate, random_rows, ttt_loss
 
 
@@ -41,7 +41,10 @@ class PlateauSettings:
 def run_plateau(drafter, target, eos, examples: list[SFTExample], prompts: list, s: PlateauSettings, save) -> dict:
     """Train `drafter` in place; `save(drafter)` is called at every new best. Returns the curve and the plateau."""
     torch.manual_seed(s.seed)
-    rng, order, gen = random.Random(s.seed), [], torch.Generator().manual_seed(s.seed)
+    batches, gen = (
+        epoch_batches(len(examples), s.batch_size, random.Random(s.seed)),
+        torch.Generator().manual_seed(s.seed),
+    )
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=s.lr, betas=(0.9, 0.95))
     curve, tokens, best, since_best, t0 = [], 0, None, 0, time.perf_counter()
 
@@ -59,12 +62,7 @@ def run_plateau(drafter, target, eos, examples: list[SFTExample], prompts: list,
     evaluate(0)
     bar = tqdm(range(1, s.max_steps + 1), desc="SFT to the plateau", unit="step")
     for step in bar:
-        if len(order) < s.batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        picked, order = order[: s.batch_size], order[s.batch_size :]
-        batch = collate([examples[i] for i in picked], s.max_seq_len)
+        batch = collate([examples[i] for i in next(batches)], s.max_seq_len)
         tokens += int(batch.valid.sum())
         drafter.train()
         rows = random_rows(batch, s.num_anchors, gen) if s.num_anchors else None

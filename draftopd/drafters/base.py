@@ -33,11 +33,22 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from draftopd.models.layers import at_least_fp32
+
 # What a family reads from the target: `aux` = hidden states at `aux_layer_ids` (TargetOutput.aux_hidden).
 TARGET_NEEDS = ("aux", "none")
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 """The engine's token choice from [B, Vd] logits: (choice [B], probabilities [B, Vd] or None when greedy)."""
+
+
+def pick_block(logits: torch.Tensor, b: int, k: int, pick: Pick):
+    """A one-pass proposer's return from logits [b * k, V] of all its drafts: (drafts [b, k], their
+    distributions [b, k, V] or None, the drafter's log-probs of its drafts [b, k])."""
+    choice, p = pick(logits)
+    logps = torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None])
+    q = p.reshape(b, k, -1) if p is not None else None
+    return choice.reshape(b, k), q, logps.reshape(b, k)
 
 
 class Proposer(Protocol):

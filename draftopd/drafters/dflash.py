@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from draftopd.drafters.base import Pick
+from draftopd.drafters.base import Pick, pick_block
 from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, rope_cos_sin
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -407,10 +407,7 @@ class DFlashProposer:
         b = self.anchor.shape[0]
         hidden = self.d.blocks(self.anchor[:, None], self.anchor_pos[:, None], self.kv, self.valid[:, None])
         logits = self.d.logits(hidden[:, 0, 1 : k + 1]).reshape(b * k, -1)
-        choice, p = pick(logits)
-        logps = torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None])
-        q = p.reshape(b, k, -1) if p is not None else None
-        return choice.reshape(b, k), q, logps.reshape(b, k)
+        return pick_block(logits, b, k, pick)
 
     def commit(self, out, emitted, num_emitted, positions) -> None:
         """Context rows for [anchor, accepted drafts]; the correction or bonus token is the next anchor."""

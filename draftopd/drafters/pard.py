@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from draftopd.drafters.base import Pick
+from draftopd.drafters.base import Pick, pick_block
 from draftopd.models.layers import at_least_fp32
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -377,10 +377,7 @@ class PardProposer:
         if self.td:  # the pending token and its masks carry the state that predicted the pending token
             feats = torch.cat([self.feat, self.last_feat[:, None].expand(-1, k, -1)], 1)
         logits = self.d.run(ids, positions, mask, feats)[:, s:].reshape(b * k, -1)
-        choice, p = pick(logits)
-        logps = torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).gather(1, choice[:, None])
-        q = p.reshape(b, k, -1) if p is not None else None
-        return choice.reshape(b, k), q, logps.reshape(b, k)
+        return pick_block(logits, b, k, pick)
 
     def commit(self, out, emitted, num_emitted, positions) -> None:
         """[pending, accepted drafts] become committed slots; the correction or bonus token is the next pending."""

@@ -223,12 +223,49 @@ def test_checkpoint_is_a_llama_with_pard_token_and_its_ti_mode_is_that_llama(pai
     assert torch.allclose(grid[0, 0], plain(ids).logits[0, 1:], atol=1e-10)
 
 
-def test_draft_opd_and_vllm_serving_are_refused_in_one_line(pair):
+def test_draft_opd_is_refused_in_one_line(pair):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["drafter.kind=pard", "opd.enabled=true"])
     assert "pard" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="native"):
-        FAMILIES["pard"].speculative_config("x", 4)
+
+
+def test_the_vllm_export_is_the_ti_mode_and_the_td_checkpoint_is_refused_in_one_line(pair, tmp_path):
+    """vLLM serves the TI mode (draft_model + parallel_drafting) from the export; the training checkpoint, which
+    holds target_proj, asks for the TD mode, which no stock vLLM method computes (test_pard_vllm.py serves it)."""
+    from safetensors.torch import load_file
+
+    from draftopd.drafters import LoadError, export_drafter, inspect_checkpoint
+
+    target, drafter = pair
+    pard = FAMILIES["pard"]
+    ckpt = save_drafter(drafter, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="target-dependent mode has no stock vLLM method") as err:
+        pard.speculative_config(ckpt, 4)
+    assert "\n" not in str(err.value)
+    with pytest.raises(LoadError, match="unknown PARD format 'speculators'") as err:
+        export_drafter(ckpt, "speculators", tmp_path / "other")
+    assert "\n" not in str(err.value)
+    out = export_drafter(ckpt, "vllm", tmp_path / "vllm")
+    spec = {"method": "draft_model", "model": str(out), "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert pard.speculative_config(out, 4) == spec
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["pard_token"] == 0
+    assert cfg["pard_config"]["target_dependent"] is False and "mask_token_id" not in cfg
+    assert set(load_file(str(out / "model.safetensors"))) == set(drafter.lm.state_dict())  # no target_proj
+    assert "modes: TI only (vLLM: draft_model, parallel_drafting)" in inspect_checkpoint(out)
+    # the export loads here as the TI mode of the same drafter, in both settings of target_dependent
+    ti = load_drafter(out, target)
+    assert not ti.target_dependent and ti.needs == "none" and not ti.target_proj.weight.any()
+    ids = torch.randint(2, 16, (1, 7))
+    valid = torch.ones(1, 7, dtype=torch.bool)
+    feats = drafter.features(target.forward(ids, torch.arange(7)[None]))
+    drafter.target_dependent = False
+    try:
+        want = drafter.score(ids, None, valid, 3)
+    finally:
+        drafter.target_dependent = True
+    assert torch.equal(ti.score(ids, None, valid, 3), want)
+    assert torch.equal(ti.score(ids, feats, valid, 3), want)  # features through a zero projection change nothing
 
 
 def test_make_toy_draft_lm_trains_a_llama_with_the_targets_tokenizer(tmp_path):

@@ -33,10 +33,19 @@ Hugging Face names them) whose config.json carries `pard_token` (the mask id, as
 vLLM's parallel drafting reads it) and `pard_config` (target layer ids in this
 project's convention, the target width, the feature scale), plus
 `target_proj.weight`.
+
+Serving: vLLM runs the TI mode as `method: draft_model` with `parallel_drafting`
+(the draft LM alone, its own embedding and head, the target's tokenizer).
+`export` writes that directory: the checkpoint without `target_proj.weight`,
+marked `pard_config.target_dependent: false`; it loads here too, as a TI-only
+drafter. The TD mode has no stock vLLM method, so a directory that still holds
+the projection is refused for serving.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -46,6 +55,12 @@ from draftopd.drafters.base import Pick, pick_block
 from draftopd.models.layers import at_least_fp32
 
 ARCHITECTURE = "LlamaForCausalLM"
+FORMATS = ("vllm",)  # vLLM's draft_model with parallel_drafting: the target-independent mode
+TD_REFUSAL = (
+    "PARD's target-dependent mode has no stock vLLM method (draft_model with parallel_drafting reads no target "
+    "features): serve the target-independent mode that `draftopd export --format vllm` writes, or decode the "
+    "target-dependent mode with --backend native"
+)
 FEAT_SCALE = 0.02  # PARD-2's published scale of the projected target features
 LLAMA_KEYS = (
     "hidden_size",
@@ -103,6 +118,11 @@ def cat_weights(target_logits: torch.Tensor, ids: torch.Tensor, num_copies: int)
 
 
 # ---- the model --------------------------------------------------------------------------------------
+
+
+def target_independent_only(raw: dict) -> bool:
+    """Whether a config.json is an export for vLLM (no `target_proj`: the TI mode only)."""
+    return (raw.get("pard_config") or {}).get("target_dependent", True) is False
 
 
 def llama_config(d: dict):
@@ -263,6 +283,7 @@ class PardDrafter(nn.Module):
 
         cfg = cls.read_config(config)
         extra = cfg["pard_config"]
+        ti_only = target_independent_only(cfg)
         if cfg["vocab_size"] != target.vocab_size:
             raise ValueError(f"built for vocabulary {cfg['vocab_size']}, the target has {target.vocab_size}")
         if extra["target_layer_ids"] != target.aux_layer_ids or extra["target_hidden_size"] != target.hidden_size:
@@ -275,18 +296,31 @@ class PardDrafter(nn.Module):
         )
         lm_state = {k: v for k, v in state.items() if k != "target_proj.weight"}
         missing, unexpected = drafter.lm.load_state_dict(lm_state, strict=False)
-        if "target_proj.weight" not in state or missing or unexpected:
+        if ("target_proj.weight" not in state and not ti_only) or missing or unexpected:
             raise ValueError(f"PARD weights: missing {missing or ['target_proj.weight']}, unexpected {unexpected}")
-        drafter.target_proj.load_state_dict({"weight": state["target_proj.weight"]})
+        if ti_only:  # an export for vLLM: a zero projection makes both modes the plain draft LM
+            nn.init.zeros_(drafter.target_proj.weight)
+            drafter.target_dependent = False
+        else:
+            drafter.target_proj.load_state_dict({"weight": state["target_proj.weight"]})
         return drafter.to(target.dtype)
 
     @staticmethod
     def speculative_config(path, num_draft_tokens: int) -> dict:
-        raise ValueError("serving a PARD drafter with vLLM is not supported yet: decode it with --backend native")
+        """vLLM's config serving an exported directory (the TI mode); the mask id is the config's `pard_token`."""
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if "pard_config" in raw and not target_independent_only(raw):
+            raise ValueError(TD_REFUSAL)
+        return {
+            "method": "draft_model",
+            "model": str(path),
+            "num_speculative_tokens": num_draft_tokens,
+            "parallel_drafting": True,
+        }
 
     # ---- layouts and construction ------------------------------------------------
 
-    formats: ClassVar[tuple[str, ...]] = ()
+    formats: ClassVar[tuple[str, ...]] = FORMATS
 
     @staticmethod
     def read_config(raw: dict) -> dict:
@@ -296,15 +330,23 @@ class PardDrafter(nn.Module):
 
     @staticmethod
     def export(config: dict, tensors: dict, fmt: str, verifier: str = "", num_draft_tokens: int = 4):
-        raise ValueError("PARD has no serving layout to export to yet")
+        """(config.json, tensors) of the TI mode for vLLM: the draft LM alone, marked target-independent."""
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown PARD format {fmt!r}: {', '.join(FORMATS)} (the target-independent mode)")
+        cfg = PardDrafter.read_config(config)
+        out = {**cfg, "pard_config": {**cfg["pard_config"], "target_dependent": False}}
+        out.pop("mask_token_id", None)  # vLLM reads a top-level mask_token_id before pard_token
+        return out, {k: v for k, v in tensors.items() if k != "target_proj.weight"}
 
     @staticmethod
     def describe(raw: dict, tensors: dict, target=None) -> list[str]:
         """What `draftopd inspect` prints about a checkpoint."""
         cfg = PardDrafter.read_config(raw)
         extra = cfg["pard_config"]
+        modes = "TI only (vLLM: draft_model, parallel_drafting)" if target_independent_only(cfg) else "TD and TI"
         lines = [
             f"layout: Hugging Face {ARCHITECTURE} with pard_token {cfg['pard_token']} (parallel drafting)",
+            f"modes: {modes}",
             f"layers: {cfg['num_hidden_layers']} x hidden {cfg['hidden_size']}, vocabulary {cfg['vocab_size']}",
             f"target features: layers {extra['target_layer_ids']} x {extra['target_hidden_size']}, "
             f"scale {extra['feat_scale']}",

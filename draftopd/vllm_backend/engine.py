@@ -1,6 +1,7 @@
 """VllmEngine: speculative decoding in stock vLLM, returning the same records as the native engine.
 
-`vllm.LLM` runs the target with the drafter as its EAGLE-3 speculator. Per
+`vllm.LLM` runs the target with the drafter as its speculator (the method its
+family names: EAGLE-3, DFlash, PARD's TI mode as a parallel draft model). Per
 request, vLLM's public per-request metrics (`per_request_spec_decode_metrics=
 "detailed"`) give each step's accepted and drafted counts; the recording hook
 (hook.py, the only module that touches vLLM internals) gives the drafted tokens
@@ -70,12 +71,17 @@ class VllmEngine:
         if record:
             check_internals()
         from draftopd.drafters import family, read_raw
+        from draftopd.loading import LoadError
         from draftopd.vllm_backend.stock import LlmSettings, build_llm
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
         spec = None
-        if drafter_dir:  # the drafter's family names vLLM's method (eagle3, dflash)
-            spec = family(read_raw(drafter_dir)[0]).speculative_config(drafter_dir, num_draft_tokens)
+        if drafter_dir:  # the drafter's family names vLLM's method (eagle3, dflash, draft_model for PARD)
+            kind = read_raw(drafter_dir)[0]
+            try:
+                spec = family(kind).speculative_config(drafter_dir, num_draft_tokens)
+            except ValueError as exc:  # a mode vLLM has no method for: one line, as other bad drafters get
+                raise LoadError(f"drafter {drafter_dir}: {exc}") from None
         self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
         self.method = spec["method"] if spec else ""
         self.has_drafter = spec is not None
@@ -137,6 +143,9 @@ class VllmEngine:
             # vLLM's DFlash model keeps fused copies of its context K/V weights that its layerwise reload leaves
             # stale (the next step fails on an empty weight): restart the engine on a new checkpoint instead
             raise NotImplementedError("pushing weights into vLLM's DFlash drafter is not supported yet")
+        if self.method == "draft_model":
+            # the hook's reload hides the drafter's embedding as the target's, which a PARD draft LM's is not
+            raise NotImplementedError("pushing weights into vLLM's PARD draft model is not supported yet")
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
         self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
@@ -150,7 +159,8 @@ class VllmEngine:
 
 
 def _metrics(out) -> dict | None:
-    m = getattr(out, "spec_decode_metrics", None)
+    """vLLM's per-request speculative metrics, which it keeps on the completion (a request's only one here)."""
+    m = getattr(out.outputs[0], "spec_decode_metrics", None)
     if m is None:
         return None
     return m if isinstance(m, dict) else getattr(m, "__dict__", None)

@@ -13,7 +13,8 @@ two engine internals of vLLM's v1 model runner:
 * the EAGLE proposer's `propose` with its model's `compute_logits`: the
   drafter's log-probs of the tokens it chose, kept per request until they are
   verified (one call per chain position for EAGLE-3; one call for the whole
-  block, request-major, for DFlash's one-pass drafting).
+  block, request-major, for one-pass drafting: DFlash, and PARD as vLLM's
+  draft model with parallel drafting).
 
 It also reloads the drafter's weights in place (vLLM's layerwise reload, which
 redoes the CPU backend's weight repacking) without touching the target.

@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         " one drafter per seed (independently trained), drafter i on held-out draw i",
     )
     p.add_argument(
+        "--pairs",
+        nargs="*",
+        default=[],
+        metavar="ARM/BASE",
+        help="families: arms to pair seed by seed (tau ratio with a 95%% t-interval), beside the automatic pairs",
+    )
+    p.add_argument(
         "--no-naive-resample",
         action="store_true",
         help="families: leave out the arm that re-drafts a D²SD drafter's VP rows with its first drafter",
@@ -708,7 +715,7 @@ def _bench_engines(args) -> None:
 
 
 def _bench_families(args) -> None:
-    from draftopd.bench.families import Arm, bar_plot, d2sd_arms, num_drafts, run_families, table
+    from draftopd.bench.families import Arm, bar_plot, d2sd_arms, num_drafts, pard_arms, run_families, table
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
     from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
@@ -732,10 +739,21 @@ def _bench_families(args) -> None:
         arms.append(Arm(name, drafters, ",".join(map(str, paths)), num_drafts(drafters[0], args.num_draft_tokens)))
         if drafters[0].kind == "d2sd":
             arms += d2sd_arms(arms[-1], naive=not args.no_naive_resample)
+        if drafters[0].kind == "pard":
+            arms += pard_arms(arms[-1])
+    pairs = []
+    for item in args.pairs:
+        a, sep, b = item.partition("/")
+        if not sep or not a or not b:
+            raise SystemExit(f"--pairs {item!r}: expected ARM/BASE")
+        pairs.append((a, b))
     n = args.num_eval_prompts or 32
     # the "toy" set of _toy_sets (held-out prompts of every domain), without building the per-domain ones
     prompts = {seed: encode_chats(tokenizer, toy_prompts("held_out", n, seed)) for seed in args.seeds}
-    report = run_families(target, eos_ids(tokenizer, args.target), arms, prompts, args.max_new_tokens or 96)
+    try:
+        report = run_families(target, eos_ids(tokenizer, args.target), arms, prompts, args.max_new_tokens or 96, pairs)
+    except ValueError as exc:
+        raise SystemExit(f"bench families: {exc}") from None
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -80,7 +80,7 @@ class DrafterConfig:
     """DFlash and PARD: the vocabulary row the mask tokens use (an unused one, such as the tokenizer's `<|mask|>`)."""
     base_lm: str = ""
     """PARD: the autoregressive draft LM (a Hugging Face Llama directory with the target's vocabulary) that PARD
-    training converts; empty: a random Llama of this section's shape."""
+    training converts; `toy`: the shipped toy draft LM; empty: a random Llama of this section's shape."""
     num_candidates: int = 4
     """D²SD: rejection boundaries of the first drafter's block re-drafted by the variable-prefix drafter per step."""
     vp_prefix_base: float = 0.9
@@ -243,6 +243,9 @@ class LearnerConfig:
     on the replayed blocks (`anchors`, the reference's earlier mode)."""
     k3_full_vocab_target: bool = False
     """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
+    accepted_cat: bool = False
+    """PARD-2's CAT weights on the accepted stream: the label d past its context also weighs the target's
+    probability of the d gold tokens in between (teacher-forced, no gradient); any family."""
     rejection_loss: str = "k3"
     """Rejected-stream form: `k3` (sampled reverse KL on the drafted token, the reference), `tv` (total variation
     to the target in the drafted context; 1 - TV is the sampled acceptance rate) or `margin` (the drafter's
@@ -452,17 +455,16 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind == "dflash":
+    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind in ("dflash", "pard"):
+        name = {"dflash": "DFlash drafter", "pard": "draft model (PARD)"}[cfg.drafter.kind]
         raise ConfigError(
-            "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's DFlash drafter does not take yet: "
-            "rollout.backend=native with drafter.kind=dflash"
+            f"Draft-OPD pushes drafter weights into the rollout engine, which vLLM's {name} does not take yet: "
+            f"rollout.backend=native with drafter.kind={cfg.drafter.kind}"
         )
     if cfg.opd.enabled and cfg.drafter.kind == "d2sd":
         raise ConfigError(
             "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
         )
-    if cfg.opd.enabled and cfg.drafter.kind == "pard":
-        raise ConfigError("drafter.kind=pard: Draft-OPD of a PARD drafter is not implemented yet (SFT only)")
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"

@@ -33,6 +33,12 @@ def resolve_drafter_path(path: str) -> str:
     return str(ASSETS / TOY_DRAFTERS[path]) if path in TOY_DRAFTERS else path
 
 
+def resolve_draft_lm(path: str) -> str:
+    """`toy` names the shipped toy draft LM (`draftopd make-toy-draft-lm`: PARD's autoregressive starting point
+    for the toy target); anything else is a Hugging Face Llama directory."""
+    return str(ASSETS / "toy-draft-lm") if path == "toy" else path
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

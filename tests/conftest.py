@@ -20,7 +20,6 @@ def tiny_pair(request):
 # Families the Draft-OPD tests cannot run for, with the reason; their parametrizations there are skipped.
 NOT_IN_OPD = {
     "d2sd": "Draft-OPD does not replay D²SD steps yet: a winning row mixes both drafters' tokens",
-    "pard": "Draft-OPD of PARD is not implemented yet (SFT only; the config refuses it)",
 }
 OPD_TESTS = ("test_opd.py", "test_opd_streams.py", "test_opd_loop.py", "test_learner_gpu.py")
 

@@ -54,24 +54,28 @@ def test_bench_families_compares_the_families_losslessly(tmp_path):
     # df: one drafter per seed (seed 0 draws with dflash, seed 1 with dflash2); d2: one for both seeds.
     df = f"df={tmp_path / 'dflash'},{tmp_path / 'dflash2'}"
     argv += ["--num-draft-tokens", "3", "--drafters", df, f"d2={tmp_path / 'd2sd'}", f"pd={tmp_path / 'pard'}"]
-    assert main([*argv, "--json", str(out / "r.json"), "--out", str(out)]) == 0
+    assert main([*argv, "--pairs", "pd/df", "--json", str(out / "r.json"), "--out", str(out)]) == 0
     r = json.loads((out / "r.json").read_text())
-    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-first", "d2-naive", "pd"]
+    assert list(r["arms"]) == ["toy-eagle3", "df", "d2", "d2-first", "d2-naive", "pd", "pd-ti"]
     assert (out / "families.png").stat().st_size > 0
     arms = r["arms"]
     # Every arm emits the target alone's tokens; K is the option for EAGLE-3 and block - 1 for the others.
     assert all(a["lossless"] and a["identical_to_target_alone"] == "4/4" for a in arms.values())
-    assert [a["num_draft_tokens"] for a in arms.values()] == [3] * 6
-    assert [a["kind"] for a in arms.values()] == ["eagle3", "dflash", "d2sd", "dflash", "d2sd", "pard"]
+    assert [a["num_draft_tokens"] for a in arms.values()] == [3] * 7
+    assert [a["kind"] for a in arms.values()] == ["eagle3", "dflash", "d2sd", "dflash", "d2sd", "pard", "pard"]
     # Measured drafter passes per step: K chained for EAGLE-3, one block for DFlash (and D²SD's first drafter
-    # alone) and PARD, two for D²SD (naive too).
-    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 1, 2, 1]
+    # alone) and PARD (both modes), two for D²SD (naive too).
+    assert [a["passes_per_step"] for a in arms.values()] == [3, 1, 2, 1, 2, 1, 1]
     # D²SD is paired seed by seed with its first drafter alone and with naive resampling.
     for base in ("first", "naive"):
         p = r["pairs"][f"d2/d2-{base}"]
         ratios = [arms["d2"]["seeds"][s]["tau"] / arms[f"d2-{base}"]["seeds"][s]["tau"] for s in ("0", "1")]
         assert p["per_seed_ratio"] == pytest.approx(ratios)
         assert p["ratio"][0] == pytest.approx(sum(ratios) / 2)
+    # PARD is paired with its own target-independent mode, and --pairs adds any other pair.
+    assert set(r["pairs"]) == {"d2/d2-first", "d2/d2-naive", "pd/pd-ti", "pd/df"}
+    ratios = [arms["pd"]["seeds"][s]["tau"] / arms["df"]["seeds"][s]["tau"] for s in ("0", "1")]
+    assert r["pairs"]["pd/df"]["per_seed_ratio"] == pytest.approx(ratios)
     for a in arms.values():
         for run in a["seeds"].values():
             assert run["tau"] == pytest.approx(run["num_emitted"] / run["num_steps"])
@@ -79,12 +83,15 @@ def test_bench_families_compares_the_families_losslessly(tmp_path):
     # tau is what the engine records for the same held-out draw (seed 0's prompts).
     tokenizer = load_tokenizer("toy")
     prompts = encode_chats(tokenizer, toy_prompts("held_out", 2, 0))  # seed 0's draw
-    for name, path in (
-        ("toy-eagle3", "draftopd/assets/toy-eagle3"),
-        ("d2", tmp_path / "d2sd"),
-        ("pd", tmp_path / "pard"),
+    for name, path, td in (
+        ("toy-eagle3", "draftopd/assets/toy-eagle3", True),
+        ("d2", tmp_path / "d2sd", True),
+        ("pd", tmp_path / "pard", True),
+        ("pd-ti", tmp_path / "pard", False),
     ):
         drafter = load_drafter(path, target)
+        if not td:
+            drafter.target_dependent = False
         trajs = SpeculativeEngine(target, drafter, eos_ids(tokenizer, "toy")).generate(
             prompts, SamplingConfig(24, 0.0, 3, 0)
         )

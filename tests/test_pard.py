@@ -9,6 +9,7 @@ its target-dependent mode through the FAMILIES-parametrized fixtures of test_eng
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.messages import SamplingConfig
 from draftopd.sft.trainer import SFTExample, SFTTrainer, collate
 from draftopd.testing import tiny_drafter, tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -223,10 +226,39 @@ def test_checkpoint_is_a_llama_with_pard_token_and_its_ti_mode_is_that_llama(pai
     assert torch.allclose(grid[0, 0], plain(ids).logits[0, 1:], atol=1e-10)
 
 
-def test_draft_opd_is_refused_in_one_line(pair):
+def test_draft_opd_takes_pard_with_native_rollouts_and_refuses_vllm_rollouts_in_one_line():
+    """Replay equal to recorded, the two streams and the loop run for PARD in test_opd*.py (FAMILIES)."""
+    cfg = load_config(ROOT / "recipes" / "toy-pard2-opd.yaml", [])
+    assert cfg.opd.enabled and cfg.drafter.kind == "pard" and cfg.rollout.backend == "native"
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["drafter.kind=pard", "opd.enabled=true"])
+        load_config(None, ["drafter.kind=pard", "opd.enabled=true", "rollout.backend=vllm"])
     assert "pard" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cat_weights_on_the_replay_grid_are_the_targets_probabilities_of_the_drafts_in_between():
+    """Row t, depth d predicts token t + 2 + d from a context ending at t + 1: it weighs the target's
+    probabilities of tokens t + 2 .. t + 1 + d, each given the text before it."""
+    from draftopd.opd.replay import cat_grid
+
+    g = torch.Generator().manual_seed(3)
+    logits, ids = torch.randn(2, 9, 11, generator=g, dtype=torch.float64), torch.randint(0, 11, (2, 9), generator=g)
+    grid = cat_grid(logits, ids, 4)
+    p = torch.softmax(logits, -1)
+    for b in range(2):
+        for d in range(4):
+            for t in range(8):
+                want = (
+                    0.0
+                    if t + 2 + d > 8
+                    else float(
+                        torch.prod(
+                            torch.stack(
+                                [p[b, j - 1, ids[b, j]] for j in range(t + 2, t + 2 + d)] or [torch.tensor(1.0)]
+                            )
+                        )
+                    )
+                )
+                assert grid[b, d, t].item() == pytest.approx(want, rel=1e-6)
 
 
 def test_the_vllm_export_is_the_ti_mode_and_the_td_checkpoint_is_refused_in_one_line(pair, tmp_path):

@@ -28,10 +28,16 @@ alone (a plain DFlash drafter, trained in the same run at the same anchors), and
 visible, the rest filled by the first drafter): what the trained VP drafter adds
 over the first alone and over re-running the first, at the same step structure.
 The report pairs them per seed (`pairs`: ratios of tau with 95% t-intervals).
+
+Beside each PARD drafter runs `-ti`, the same weights decoding in the
+target-independent mode (no target features); an arm whose name ends in `-ti`
+decodes only in that mode (PARD-1, trained without features). Other pairs (an
+ablation against its control, say) are named with `--pairs ARM/BASE`.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +107,22 @@ def d2sd_arms(arm: Arm, naive: bool = True) -> list[Arm]:
         drafters = [naive_resample(d) for d in arm.drafters]
         out.append(Arm(f"{arm.name}-naive", drafters, f"{arm.source} (VP rows by the first drafter)", arm.k))
     return out
+
+
+def target_independent(drafter):
+    """The same PARD drafter (shared weights) decoding in the target-independent mode."""
+    ti = copy.copy(drafter)  # a shallow copy: the modules and parameters are the same objects
+    ti.target_dependent = False
+    return ti
+
+
+def pard_arms(arm: Arm) -> list[Arm]:
+    """The arm made from a PARD arm: its target-independent mode (`-ti`); an arm named `*-ti` decodes only so."""
+    if arm.name.endswith("-ti"):
+        arm.drafters[:] = [target_independent(d) for d in arm.drafters]
+        return []
+    ti = [target_independent(d) for d in arm.drafters]
+    return [Arm(f"{arm.name}-ti", ti, f"{arm.source} (target-independent mode)", arm.k)]
 
 
 def parameter_counts(drafter) -> dict:
@@ -267,9 +289,14 @@ def paired(report_arms: dict, arm: str, base: str) -> dict:
     return {"ratio": t_interval(ratios), "diff": t_interval(diffs), "per_seed_ratio": ratios}
 
 
-def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list], max_new_tokens: int) -> dict:
+def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list], max_new_tokens: int, pairs=()) -> dict:
     """Every arm on each seed's held-out prompts after the target alone, batch size 1, greedy; an arm with one
-    drafter per seed runs its i-th drafter on the i-th seed's prompts."""
+    drafter per seed runs its i-th drafter on the i-th seed's prompts. `pairs`: (arm, base) names to pair
+    beside the automatic ones (D²SD over `-first` and `-naive`, PARD over `-ti`)."""
+    names = {arm.name for arm in arms}
+    for a, b in pairs:
+        if a not in names or b not in names:
+            raise ValueError(f"pair {a}/{b}: both must be arms ({', '.join(sorted(names))})")
     for arm in arms:
         if len(arm.drafters) not in (1, len(prompts_by_seed)):
             raise ValueError(f"arm {arm.name!r}: {len(arm.drafters)} drafters for {len(prompts_by_seed)} seeds")
@@ -285,13 +312,13 @@ def run_families(target, eos, arms: list[Arm], prompts_by_seed: dict[int, list],
             cfg = SamplingConfig(max_new_tokens, 0.0, arm.k, seed)
             per_arm[arm.name][str(seed)] = _one_seed(arm, arm.for_seed(i), target, eos, prompts, cfg, baseline)
     summaries = {arm.name: _summary(arm, per_arm[arm.name]) for arm in arms}
-    pairs = {
-        f"{arm.name}/{arm.name}-{base}": paired(summaries, arm.name, f"{arm.name}-{base}")
+    auto = [
+        (arm.name, f"{arm.name}-{base}")
         for arm in arms
-        if arm.drafter.kind == "d2sd"
-        for base in ("first", "naive")
+        for base in {"d2sd": ("first", "naive"), "pard": ("ti",)}.get(arm.drafter.kind, ())
         if f"{arm.name}-{base}" in summaries
-    }
+    ]
+    pairs = {f"{a}/{b}": paired(summaries, a, b) for a, b in [*auto, *pairs]}
     return {
         "settings": {
             "seeds": list(prompts_by_seed),

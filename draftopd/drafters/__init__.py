@@ -111,6 +111,18 @@ def load_drafter(path: str | Path, target, kind: str = ""):
         raise LoadError(f"drafter {path}: {exc}") from None
 
 
+def load_state(drafter, state: dict[str, torch.Tensor]) -> None:
+    """`state()`'s tensors into a built drafter in place: the family's own `load_state` where its checkpoint
+    names differ from its modules' (PARD), else the module's, refusing tensors it does not know."""
+    own = getattr(drafter, "load_state", None)
+    if own is not None:
+        own(state)
+        return
+    _, unexpected = drafter.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"{drafter.kind} drafter: unexpected tensors {unexpected}")
+
+
 def write_checkpoint(config: dict, state: dict[str, torch.Tensor], path: str | Path) -> Path:
     """The one writer of a drafter directory: config.json and model.safetensors, tensors as they are."""
     from safetensors.torch import save_file

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from draftopd.drafters.base import Pick, pick_block
+from draftopd.losses import cat_weights
 from draftopd.models.layers import at_least_fp32
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -101,20 +102,6 @@ def copy_layout(kept: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, t
     real = (copy[None] == 0) & (pos[None] <= base)
     chain = (copy[None] >= 1) & (copy[None] <= copy[:, None]) & (pos[None] == base + copy[None])
     return copy, pos, real | chain
-
-
-def cat_weights(target_logits: torch.Tensor, ids: torch.Tensor, num_copies: int) -> torch.Tensor:
-    """[B, K, L]: the weight of the copy-i logit at p (predicting x_{p+1}): prod_{s=0..i-1} g_{p-s}, where
-    g_j = p_target(x_j | x_<j) teacher-forced and g_0 = 1 (ones where p - s < 0). No gradient."""
-    with torch.no_grad():
-        logp = torch.log_softmax(target_logits.to(at_least_fp32(target_logits.dtype)), -1)
-        g = torch.ones(ids.shape, dtype=logp.dtype, device=ids.device)
-        g[:, 1:] = logp[:, :-1].gather(2, ids[:, 1:, None]).squeeze(2).exp()
-        w = [torch.ones_like(g)]
-        for i in range(1, num_copies):  # copy i multiplies in g_{p-i+1}
-            shifted = torch.cat([torch.ones_like(g[:, : i - 1]), g[:, : g.shape[1] - i + 1]], 1)
-            w.append(w[-1] * shifted)
-        return torch.stack(w, 1)
 
 
 # ---- the model --------------------------------------------------------------------------------------
@@ -167,10 +154,13 @@ class PardDrafter(nn.Module):
         dev = input_ids.device
         kept = [k.to(dev) for k in kept]
         copy, pos, mask = copy_layout(kept)
-        ids = torch.where(copy == 0, input_ids[:, pos], torch.full_like(input_ids[:, pos], self.mask_token_id))
+        real_pos = pos.clamp_max(input_ids.shape[1] - 1)  # masks may sit past the text's end (not real tokens)
+        ids = torch.where(
+            copy == 0, input_ids[:, real_pos], torch.full_like(input_ids[:, real_pos], self.mask_token_id)
+        )
         base = pos - copy
         # Keys: real tokens only where valid; every query keeps itself, so no row is empty.
-        key_ok = (copy != 0)[None] | valid[:, pos]
+        key_ok = (copy != 0)[None] | valid[:, real_pos]
         eye = torch.eye(len(pos), dtype=torch.bool, device=dev)
         mask = (mask[None] & key_ok[:, None, :]) | eye[None]
         feats = None
@@ -209,13 +199,15 @@ class PardDrafter(nn.Module):
         return torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
 
     def score(self, input_ids, features, valid, depth: int, depth_tokens=None) -> torch.Tensor:
-        """Logits [B, depth, n, V]: row t, depth d is the copy-d logit at p = t + 1 + d (zeros past the end)."""
+        """Logits [B, depth, n, V]: row t, depth d is the copy-d logit at p = t + 1 + d, for every row: copy d
+        runs at p = d + 1 .. L - 1 + d, past the text's end too (its context x_0..x_{t+1} is always real), as a
+        rollout drafts past the end of what it later emits."""
         b, length = input_ids.shape
-        logits, _, _ = self.copies(input_ids, features, valid, [torch.arange(length)] * depth)
-        grid = logits.new_zeros(b, depth, length - 1, logits.shape[-1])
-        for d in range(depth):
-            grid[:, d, : length - 1 - d] = logits[:, d * length + d + 1 : (d + 1) * length]
-        return grid
+        kept = [torch.arange(length)] + [torch.arange(d + 1, length + d) for d in range(1, depth)]
+        logits, _, _ = self.copies(input_ids, features, valid, kept)
+        n = length - 1  # copy 0 holds L tokens (its logit at p = 0 predicts no grid row), copy d >= 1 holds n
+        starts = [1] + [length + (d - 1) * n for d in range(1, depth)]
+        return torch.stack([logits[:, s : s + n] for s in starts], 1)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         """`score`, so that wrappers such as a DeepSpeed engine can call the module."""
@@ -276,6 +268,12 @@ class PardDrafter(nn.Module):
 
     def state(self) -> dict[str, torch.Tensor]:
         return {**self.lm.state_dict(), "target_proj.weight": self.target_proj.weight}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """`state()`'s tensors (Hugging Face names) into this drafter in place, all of them."""
+        lm_state = {k: v for k, v in state.items() if k != "target_proj.weight"}
+        self.lm.load_state_dict(lm_state, strict=True)
+        self.target_proj.load_state_dict({"weight": state["target_proj.weight"]})
 
     @classmethod
     def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> PardDrafter:
@@ -366,7 +364,9 @@ class PardDrafter(nn.Module):
         if cfg.mask_token_id < 0:
             raise ValueError("drafter.mask_token_id must name an unused vocabulary row (the tokenizer's <|mask|>)")
         if cfg.base_lm:
-            lm = LlamaForCausalLM.from_pretrained(cfg.base_lm, dtype=target.dtype)
+            from draftopd.loading import resolve_draft_lm
+
+            lm = LlamaForCausalLM.from_pretrained(resolve_draft_lm(cfg.base_lm), dtype=target.dtype)
         else:
             hidden = cfg.hidden_size or target.hidden_size
             shape = {

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from draftopd.config import CHOICES
-from draftopd.losses import restrict_to_draft_vocab
+from draftopd.losses import cat_weights, restrict_to_draft_vocab
 from draftopd.messages import ErrorState
 from draftopd.opd.losses import DIVERGENCES, NORMALISATIONS, bernoulli_forward_kl, k3, mix_streams
 
@@ -184,6 +184,8 @@ class OPDLossConfig:
     accepted_rows: str = "all"
     k3_full_vocab_target: bool = False
     """k3 against the recorded full-vocabulary target log-probs (the reference), not the draft-vocabulary target."""
+    accepted_cat: bool = False
+    """Multiply the accepted stream's weights by CAT weights (`cat_grid`)."""
     rejection_loss: str = "k3"
     """The rejected stream's form: `k3`, `tv` (total variation to the target there) or `margin`."""
     rejected_offsets: str = "all"
@@ -250,6 +252,18 @@ def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
     return out.logits, logits
 
 
+def cat_grid(t_logits: torch.Tensor, input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, D, n] CAT weights on the (row, depth) grid: row t, depth d predicts token t + 2 + d from a context
+    ending at t + 1, so it weighs the target's probabilities of the d gold tokens t + 2 .. t + 1 + d (the
+    copy-d weight at p = t + 1 + d of `cat_weights`); zeros where the grid has no label."""
+    w = cat_weights(t_logits, input_ids, depth)
+    n = input_ids.shape[1] - 1
+    grid = torch.zeros(w.shape[0], depth, n, dtype=torch.float32, device=w.device)
+    for d in range(depth):
+        grid[:, d, : n - 1 - d] = w[:, d, 1 + d : n].float()  # labels t + 2 + d <= n
+    return grid
+
+
 def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_index, d: int, span: int):
     """Per-row divergence at depth d between the target (position t + 1 + d) and the drafter."""
     teacher = t_logits[:, 1 + d : 1 + d + span]
@@ -313,6 +327,8 @@ def opd_loss(
         )
     rej = _rejected_stream(cfg, target, batch, d_logits, d2t)
     acc_w, rej_w = batch.acc_weight, batch.rej_weight
+    if cfg.accepted_cat:
+        acc_w = acc_w * cat_grid(t_logits, batch.input_ids, depth).to(acc_w.device)
     loss, (share_acc, share_rej) = mix_streams(
         acc, acc_w, rej, rej_w, cfg.acc_coef, cfg.rej_coef, cfg.normalisation, all_reduce, world
     )

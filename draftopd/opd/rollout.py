@@ -56,14 +56,14 @@ class RolloutWorker:
         if self.backend == "vllm":
             self.policy_version = self._vllm().set_drafter(drafter_config, state, version)
             return self.policy_version
-        from draftopd.drafters import detect_kind, family
+        from draftopd.drafters import detect_kind, family, load_state
 
         self.setup()
         if self.drafter is None or self.drafter.config() != drafter_config:
             cls = family(detect_kind(drafter_config))
             self.drafter = cls.from_state(drafter_config, state, self.target)
         else:
-            self.drafter.load_state_dict(state, strict=False)
+            load_state(self.drafter, state)
         self.drafter.eval()
         self.policy_version = version
         return version

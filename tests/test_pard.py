@@ -326,3 +326,16 @@ def test_make_toy_draft_lm_trains_a_llama_with_the_targets_tokenizer(tmp_path):
     assert drafter.aux_layer_ids == [1, 2, 3, 4] and drafter.target_proj.weight.shape == (16, 4 * 256)
     for name, weight in model.state_dict().items():
         assert torch.equal(drafter.lm.state_dict()[name], weight), name
+
+
+def test_the_shipped_toy_draft_lm_is_what_the_toy_recipe_converts():
+    """`drafter.base_lm: toy` is the shipped draft LM: the toy target's vocabulary, trained well past uniform."""
+    from draftopd.loading import ASSETS, load_target
+
+    cfg = load_config(ROOT / "recipes" / "toy-pard2-sft.yaml", [])
+    target = load_target("toy", cfg.target.aux_layer_ids)
+    drafter = new_drafter(cfg.drafter, target, torch.arange(target.vocab_size))
+    report = json.loads((ASSETS / "toy-draft-lm" / "toy_draft_lm_report.json").read_text())
+    assert report["held_out_loss_nats_per_token"] < 0.2 * report["uniform_loss_nats_per_token"]
+    assert drafter.lm.config.vocab_size == target.vocab_size and drafter.mask_token_id == 5
+    assert sum(p.numel() for p in drafter.lm.parameters()) == report["num_parameters"]

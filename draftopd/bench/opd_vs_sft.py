@@ -15,8 +15,8 @@ the arm is about:
 * `opd-reference`: the reference's exact mode (two-scalar Bernoulli forward proxy on the accepted stream, k3
   against the recorded full-vocabulary log-probs, full-TTT accepted rows);
 * search arms (`--arms`): other rejected-stream forms (`opd-tv`, `opd-margin`, `opd-margin-first`,
-  `opd-k3-first`, `opd-stream-means`), and `opd-cat`: the recipe defaults with PARD-2's CAT weights on the
-  accepted stream (learner.accepted_cat).
+  `opd-k3-first`, `opd-stream-means`), and `opd-cat` / `opd-control-cat`: `opd` / `opd-control` with PARD-2's
+  CAT weights on the accepted stream (learner.accepted_cat).
 
 Seeds pair the arms (same held-out prompts, same start); the report gives each arm's held-out tau per seed,
 toy set and K, and paired differences and ratios against the baselines with 95% t-intervals over seeds.
@@ -60,6 +60,7 @@ ARMS: dict[str, dict] = {
     "opd-k3-first": {"rejection_loss": "k3", "rejected_offsets": "first"},
     "opd-stream-means": {"normalisation": "stream_means"},
     "opd-cat": {"accepted_cat": True},
+    "opd-control-cat": {"rej_coef": 0.0, "accepted_cat": True},
 }
 DEFAULT_ARMS = ("sft-pool", "sft-rollout-temp", "opd", "opd-control", "opd-reference")
 BASELINES = ("sft-pool", "sft-rollout-temp", "opd-control")

@@ -118,10 +118,10 @@ def target_independent(drafter):
 
 def pard_arms(arm: Arm) -> list[Arm]:
     """The arm made from a PARD arm: its target-independent mode (`-ti`); an arm named `*-ti` decodes only so."""
-    if arm.name.endswith("-ti"):
-        arm.drafters[:] = [target_independent(d) for d in arm.drafters]
-        return []
     ti = [target_independent(d) for d in arm.drafters]
+    if arm.name.endswith("-ti"):
+        arm.drafters[:] = ti
+        return []
     return [Arm(f"{arm.name}-ti", ti, f"{arm.source} (target-independent mode)", arm.k)]
 
 

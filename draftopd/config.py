@@ -465,6 +465,17 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(
             "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
         )
+    d = cfg.drafter
+    if d.kind in ("dflash", "d2sd") and not d.init:  # a block drafts at most block_size - 1 tokens per step
+        asked = {"eval.num_draft_tokens": max(cfg.eval.num_draft_tokens, default=0)}
+        if cfg.opd.enabled:
+            asked["rollout.num_draft_tokens"] = cfg.rollout.num_draft_tokens
+        for key, k in asked.items():
+            if k > d.block_size - 1:
+                raise ConfigError(
+                    f"{key} asks for {k} drafts per step, but a {d.kind} block of drafter.block_size={d.block_size} "
+                    f"holds at most {d.block_size - 1}"
+                )
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"

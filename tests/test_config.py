@@ -132,3 +132,18 @@ def test_a_learner_rank_takes_no_gpu_or_one_whole_gpu():
     assert load_config(None, ["learner.num_gpus_per_learner=1"]).learner.num_gpus_per_learner == 1
     with pytest.raises(ConfigError, match=r"must be 0 .* or 1"):
         load_config(None, ["learner.num_gpus_per_learner=0.5"])
+
+
+def test_a_block_too_small_for_the_asked_drafts_is_refused_before_any_work():
+    """A smaller DFlash block by override, with the recipe's K left as it was: refused at load, not after SFT."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "toy-dflash-sft.yaml"
+    with pytest.raises(ConfigError, match=r"eval.num_draft_tokens asks for 15 .* drafter.block_size=8 holds at most 7"):
+        load_config(recipe, ["drafter.block_size=8"])
+    assert load_config(recipe, ["drafter.block_size=8", "eval.num_draft_tokens=[7]"]).drafter.block_size == 8
+    opd = Path(__file__).resolve().parents[1] / "recipes" / "toy-dflash-opd.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.num_draft_tokens asks for 9 .* drafter.block_size=8"):
+        load_config(
+            opd, ["drafter.init=''", "drafter.block_size=8", "eval.num_draft_tokens=[7]", "rollout.num_draft_tokens=9"]
+        )
+    # From a checkpoint (the recipe's drafter.init), the block is the checkpoint's, read when it loads.
+    assert load_config(opd, ["drafter.block_size=8"]).drafter.init

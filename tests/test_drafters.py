@@ -52,6 +52,34 @@ def test_a_checkpoint_of_another_family_is_refused_in_one_line(tmp_path, kind):
         read_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_a_rollout_workers_next_load_replaces_every_tensor_in_place(tmp_path, kind):
+    """After its first drafter, a rollout worker loads pushed weights into the same modules, whatever the family's
+    checkpoint names; every tensor of the push arrives (the weight syncs end in this load)."""
+    from draftopd.opd.rollout import RolloutWorker
+
+    target = tiny_target()
+    target.model.save_pretrained(tmp_path)
+    drafter = tiny_drafter(target, kind=kind)
+    worker = RolloutWorker(str(tmp_path), target.aux_layer_ids, "float64", [1])
+    config, first = drafter.config(), drafter.state()
+    assert worker.load_weights(config, first, 0) == 0
+    held = worker.drafter
+    g = torch.Generator().manual_seed(0)
+    pushed = {
+        k: v + torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
+        for k, v in first.items()
+    }
+    assert worker.load_weights(config, pushed, 1) == 1 and worker.drafter is held
+    got = worker.weights()
+    assert got.keys() == pushed.keys()
+    assert all(torch.equal(got[k], pushed[k]) for k in pushed), [
+        k for k in pushed if not torch.equal(got[k], pushed[k])
+    ]
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        worker.load_weights(config, {**pushed, "stray.weight": torch.zeros(2)}, 2)
+
+
 def test_no_module_outside_drafters_imports_a_familys_internals():
     """Families plug in through draftopd.drafters (FAMILIES, the protocol, the reader and writer) only."""
     root = Path(__file__).resolve().parents[1] / "draftopd"

@@ -131,6 +131,7 @@ def test_toy_recipes_use_the_tokenizers_mask_row_and_the_published_decay():
     assert sft.depth_decay == pytest.approx(math.exp(-1 / 7), abs=1e-4)  # weight exp(-(k-1)/7) at offset k
     opd = load_config(RECIPES / "toy-dflash-opd.yaml")
     assert opd.rollout.num_draft_tokens == 15 and opd.learner.decay == 0.8 and opd.learner.accepted_rows == "anchors"
+    assert opd.learner.rej_coef == 0  # the rejected stream lowered tau on DFlash (README, three seeds)
     with pytest.raises(ConfigError, match="rollout.backend=native"):  # no weight push into vLLM's DFlash yet
         load_config(RECIPES / "toy-dflash-opd.yaml", ["rollout.backend=vllm"])
 

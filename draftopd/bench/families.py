@@ -9,7 +9,8 @@ rows in one batch). Per drafter this reports, over seeds of the held-out draw
 * tau, tokens per verification step (eval/acceptance.py);
 * drafter passes per step, *measured*: a forward hook on a module every pass
   runs exactly once (EAGLE-3: the MLP of its one layer; DFlash and D²SD: the
-  first decoder layer of each drafter); tau per pass = tau / passes per step;
+  first decoder layer of each drafter; PARD: its draft LM's first layer); tau
+  per pass = tau / passes per step;
 * trainable parameters (what the family's shared, frozen embedding and head
   are is said per family, and their size reported apart);
 * analytic drafter FLOPs per step (`step_flops`) at the run's tau and mean

@@ -12,7 +12,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from draftopd.config import load_config
-from draftopd.loading import ASSETS
 from draftopd.opd.driver import run_opd
 from draftopd.tracking import resolve_tracking_uri
 
@@ -235,20 +234,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_repeated_nonfinite_losses_stop_the_job(ray_session, tmp_path):
-    """A NaN learning rate poisons the drafter after one step: the following losses are NaN, two in a row stop."""
-    from draftopd.opd.session import TrainingError
-
-    over = [f"run.out_dir={tmp_path}", *TINY, "opd.num_rounds=3", "learner.lr=.nan", "rollout.num_workers=1"]
-    over += [f"drafter.init={ASSETS / 'toy-eagle3'}", "sft.epochs=0"]  # straight to OPD: no target responses
-    cfg = load_config(RECIPE, [*over, "learner.max_nonfinite_in_a_row=2"])
-    with pytest.raises(TrainingError, match="2 non-finite losses in a row; stopping; resumable checkpoint"):
-        run_opd(cfg, ["test"])
-    rows = [json.loads(x) for x in open(tmp_path / "toy-opd" / "metrics.jsonl")]
-    skipped = [r for r in rows if r["phase"] == "opd" and r.get("skipped_nonfinite") == 1]
-    assert len(skipped) == 1 and skipped[0]["num_nonfinite_total"] == 1  # the stopping step is not logged
 
 
 @pytest.mark.parametrize("tiny_pair", ["eagle3"], indirect=True)

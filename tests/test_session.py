@@ -121,3 +121,21 @@ def test_a_local_run_starts_its_own_ray_beside_another(ray_session):
     assert out.returncode == 0, out.stderr[-3000:]
     own = out.stdout.strip().splitlines()[-1]
     assert own.startswith("127.0.0.1:") and own != ray_session.get_runtime_context().gcs_address
+
+
+def test_repeated_nonfinite_losses_stop_the_job(tmp_path, clean_process_group):
+    """A NaN learning rate poisons the drafter after one step: the following losses are NaN, two in a row stop.
+
+    The driver's rule, run without Ray; the learner's skip of a single non-finite step runs on Ray in
+    test_opd_loop.py."""
+    from draftopd.loading import ASSETS
+    from draftopd.opd.session import TrainingError
+
+    over = [f"run.out_dir={tmp_path}", *SMALL, "learner.lr=.nan", "opd.steps_per_round=1", "opd.sync_every=1"]
+    over += [f"drafter.init={ASSETS / 'toy-eagle3'}", "sft.epochs=0"]  # straight to OPD: no target responses
+    cfg = load_config(RECIPE, [*over, "learner.max_nonfinite_in_a_row=2"])
+    with pytest.raises(TrainingError, match="2 non-finite losses in a row; stopping; resumable checkpoint"):
+        run_opd(cfg, ["test"], InProcessRuntime())
+    rows = [json.loads(x) for x in open(tmp_path / "toy-opd" / "metrics.jsonl")]
+    skipped = [r for r in rows if r["phase"] == "opd" and r.get("skipped_nonfinite") == 1]
+    assert len(skipped) == 1 and skipped[0]["num_nonfinite_total"] == 1  # the stopping step is not logged

@@ -259,6 +259,10 @@ class LearnerConfig:
     (acc_coef x the accepted stream's mean + rej_coef x the rejected stream's mean). Denominators are global
     across the learner ranks either way; each stream's share of the weight is logged (share_accepted,
     share_rejected)."""
+    rerun_rejected_target: bool = False
+    """k3 against a fresh target pass over each rejected step's prefix instead of the target log-prob recorded at
+    verification: for records without `target_draft_logz`, at many target passes per trajectory (logged as
+    `learner/target_tokens_per_token`; `tv` and `margin` always pay it, as they read the whole distribution)."""
     replay_unit: str = "trajectory"
     """What a learner step replays: `trajectory` (each of learner.batch_size sampled trajectories with every
     verification step of it, as the reference) or `state` (learner.batch_size sampled error states, each with

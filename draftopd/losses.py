@@ -12,8 +12,11 @@ from draftopd.models.layers import at_least_fp32
 
 
 def restrict_to_draft_vocab(target_logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
-    """Target log-probs over the draft vocabulary, renormalised: [..., V] -> [..., Vd]."""
-    return torch.log_softmax(target_logits.float().index_select(-1, draft_to_target), dim=-1)
+    """Target log-probs over the draft vocabulary, renormalised: [..., V] -> [..., Vd].
+
+    The draft columns are selected before widening to fp32: a bf16 target's full-vocabulary fp32 copy is
+    never made (at a 150K vocabulary and a 32K draft vocabulary, 4.7x the bytes of the result)."""
+    return torch.log_softmax(target_logits.index_select(-1, draft_to_target).float(), dim=-1)
 
 
 def forward_kl(target_logp: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:

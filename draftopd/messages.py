@@ -44,7 +44,13 @@ class VerificationStep:
     * `row` is the candidate row the drafts come from when the drafter proposed
       several (D²SD: 0 is the first drafter's block, j >= 1 the j-th re-drafted
       row); the fields above describe that row, which gave the `emitted` tokens.
-      0 for single-row families.
+      0 for single-row families;
+    * `target_draft_logz`, when recorded, has length K: entry d is the log of the target's total probability
+      (temperature 1, the same context as `target_logprobs[d]`) over the drafter's draft vocabulary,
+      logsumexp(log_softmax(target logits)[draft-vocabulary ids]); 0.0 where the draft vocabulary is the
+      target's. `target_logprobs[d] - target_draft_logz[d]` is then the target's log-prob of draft d restricted
+      to the draft vocabulary, what the rejected stream's k3 compares the drafter with, without another target
+      pass. Empty: not recorded (records made before it, or by a backend that does not record it).
     """
 
     position: int
@@ -54,6 +60,7 @@ class VerificationStep:
     num_accepted: int
     emitted: list[int]
     row: int = 0
+    target_draft_logz: list[float] = field(default_factory=list)
 
     @property
     def num_drafted(self) -> int:

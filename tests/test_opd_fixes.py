@@ -315,20 +315,22 @@ def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabul
             ctx = torch.tensor([traj.full_ids[: step.position] + step.draft_tokens[:d]])
             logits = target.forward(ctx, torch.arange(ctx.shape[1])[None], want_aux=False).logits[0, -1]
             step.target_logprobs[d] = float(torch.log_softmax(logits, -1)[step.draft_tokens[d]])
+            step.target_draft_logz.append(float(torch.log_softmax(logits, -1)[d2t].logsumexp(-1)))
             restricted = torch.log_softmax(logits[d2t], -1)  # the best the drafter can be
             want[(step.position - 2, d)] = (restricted, int(target_to_draft_index(d2t, 16)[step.draft_tokens[d]]))
         states.append(ErrorState(traj, i, 0))
     batch = build_replay_batch(states, target_to_draft_index(d2t, 16), 3, 0.8, 512)
-    rows, ts, full = rejected_block_targets(target, batch, d2t)  # what the loss scores the rejected stream with
+    rows, ts, restricted, _ = rejected_block_targets(target, batch, d2t)  # the re-run path's restricted target
     restricted_t = torch.zeros_like(batch.rej_target_logp)
     drafted = batch.rej_draft_idx[rows, :, ts][..., None]
-    restricted_t[rows, :, ts] = torch.log_softmax(full[..., d2t], -1).gather(2, drafted).squeeze(2)
+    restricted_t[rows, :, ts] = restricted.gather(2, drafted).squeeze(2)
     checked = 0
     for (t, d), (best, idx) in want.items():
         if batch.rej_weight[0, d, t] == 0:
             continue
         s = best[idx].float()  # a drafter equal to the restricted target
         assert restricted_t[0, d, t].item() == pytest.approx(s.item(), abs=1e-5)
+        assert batch.rej_target_logp_draft[0, d, t].item() == pytest.approx(s.item(), abs=1e-5)  # as recorded
         assert k3(restricted_t[0, d, t], s).item() == pytest.approx(0.0, abs=1e-9)  # its minimum, 0
         assert k3(batch.rej_target_logp[0, d, t], s).item() > 1e-3  # the full-vocabulary target puts it elsewhere
         checked += 1

@@ -34,6 +34,22 @@ from draftopd.models.layers import at_least_fp32, attend_mask
 from draftopd.models.target import TargetModel, TargetOutput
 
 
+def _partial_draft_vocab(engine: SpeculativeEngine) -> torch.Tensor | None:
+    """The drafter's draft-vocabulary target ids when they are fewer than the target's; None when it drafts
+    over the whole target vocabulary (its mass there is then 1: log 0.0, recorded exactly)."""
+    ids = engine.drafter.draft_to_target_ids()
+    return None if len(ids) == engine.target.vocab_size else ids
+
+
+def draft_log_mass(target_logp: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """[..., V] target log-probs -> [...] log of their total over the draft vocabulary (zeros: the whole one).
+
+    Recorded with each step as `target_draft_logz` (messages.py): only the draft-vocabulary columns are read."""
+    if draft_ids is None:
+        return torch.zeros(target_logp.shape[:-1], dtype=target_logp.dtype, device=target_logp.device)
+    return target_logp.index_select(-1, draft_ids.to(target_logp.device)).logsumexp(-1)
+
+
 class SpeculativeEngine:
     """Decodes with `target`, drafting with `drafter` when one is given. Not thread-safe."""
 
@@ -84,6 +100,7 @@ class _Run:
         self.active = torch.arange(len(trajs))  # trajectory index of each batch row
         self.tcache = engine.target.new_cache()
         self.proposer = engine.drafter.proposer() if engine.drafter is not None else None
+        self.draft_ids = _partial_draft_vocab(engine) if k else None
 
     # -- helpers -----------------------------------------------------------
 
@@ -181,14 +198,15 @@ class _Run:
             for r, toks in zip(rows, new_tokens):
                 self.trajs[r].output_ids.extend(toks)
             return
-        t_logps = torch.log_softmax(target_logits[:, :-1].to(at_least_fp32(target_logits.dtype)), -1)
-        t_logps = t_logps.gather(2, drafts[..., None]).squeeze(2)
+        t_full = torch.log_softmax(target_logits[:, :-1].to(at_least_fp32(target_logits.dtype)), -1)
+        t_logps = t_full.gather(2, drafts[..., None]).squeeze(2)
+        logz = draft_log_mass(t_full, self.draft_ids).tolist()
         won = row.tolist() if row is not None else [0] * len(rows)
         columns = zip(rows, new_tokens, drafts.tolist(), draft_logps.tolist(), t_logps.tolist(), accepted.tolist(), won)
-        for r, toks, d, d_lp, t_lp, a, w in columns:
+        for (r, toks, d, d_lp, t_lp, a, w), z in zip(columns, logz):
             traj = self.trajs[r]
             position = len(traj.prompt_ids) + len(traj.output_ids)
-            traj.steps.append(VerificationStep(position, d, d_lp, t_lp, a, toks, w))
+            traj.steps.append(VerificationStep(position, d, d_lp, t_lp, a, toks, w, z))
             traj.output_ids.extend(toks)
 
     def _finished_rows(self, emitted: torch.Tensor, num_emitted: torch.Tensor) -> list[int]:

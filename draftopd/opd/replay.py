@@ -13,11 +13,16 @@ Two streams per step with `a` accepted drafts out of K:
 * rejected-draft stream: depths a..K-1 (or only the first rejected draft, depth a),
   the drafter's rejected block scored against the target in the context it was
   verified in (the drafter's own rejected prefix): k3 on the drafted token
-  against the recorded target log-prob (the reference), total variation to the
-  target's distribution there, or a margin between the target's top token and
-  the rejected draft in the drafter's log-probs. The target is restricted to
-  the draft vocabulary by default: the drafter can only match that, and each
-  form's optimum is then the restricted target, as the forward KL's is.
+  against the target log-prob recorded at verification (the reference), total
+  variation to the target's distribution there, or a margin between the target's
+  top token and the rejected draft in the drafter's log-probs. The target is
+  restricted to the draft vocabulary by default: the drafter can only match
+  that, and each form's optimum is then the restricted target, as the forward
+  KL's is. k3 reads the restriction from the records too (`target_draft_logz`),
+  so a learner step runs the target once over each replayed trajectory;
+  `tv` and `margin` need the target's whole distribution at each rejected
+  position and re-run it over every rejected step's prefix, at many times the
+  cost (`target_tokens_per_token`, logged every step).
 Depth d is weighted decay**d (offset within the block, as in the reference).
 The streams are mixed as one weighted token mean (`token_mean`) or as the sum
 of their own means (`stream_means`); with several learner ranks every
@@ -33,6 +38,7 @@ as the reference replays.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -56,6 +62,11 @@ class ReplayBatch:
     rej_draft_idx: torch.Tensor
     rej_target_logp: torch.Tensor
     num_steps: int
+    rej_target_logp_draft: torch.Tensor | None = None
+    """[B, D, L-1] the recorded target log-prob of each rejected draft restricted to the draft vocabulary
+    (`target_logprobs - target_draft_logz`, messages.py); zero where no weight, None in SFT batches."""
+    num_unrecorded: int = 0
+    """Rejected-stream tokens whose step lacks `target_draft_logz` (older records, partial draft vocabulary)."""
 
 
 ACCEPTED_ROWS = CHOICES["learner.accepted_rows"]
@@ -148,8 +159,9 @@ def build_replay_batch(
     ids, valid, depth_tokens = _token_grid(seqs, depth, pad_id)
     shape = (len(seqs), depth, ids.shape[1] - 1)
     acc_w, rej_w = torch.zeros(shape), torch.zeros(shape)
-    rej_idx, rej_t = torch.zeros(shape, dtype=torch.long), torch.zeros(shape)
-    used = 0
+    rej_idx, rej_t, rej_r = torch.zeros(shape, dtype=torch.long), torch.zeros(shape), torch.zeros(shape)
+    whole_vocab = bool((t2d_index >= 0).all())  # the draft vocabulary is the target's: its log-mass is 0
+    used = unrecorded = 0
     for row, group in enumerate(groups):
         length = len(seqs[row])
         if accepted_rows == "all":
@@ -171,7 +183,12 @@ def build_replay_batch(
                     rej_w[row, d, t] = decay**d
                     rej_idx[row, d, t] = max(int(t2d_index[step.draft_tokens[d]]), 0)
                     rej_t[row, d, t] = step.target_logprobs[d]
-    return ReplayBatch(ids, valid, depth_tokens, acc_w, rej_w, rej_idx, rej_t, used)
+                    if step.target_draft_logz or whole_vocab:
+                        logz = step.target_draft_logz[d] if step.target_draft_logz else 0.0
+                        rej_r[row, d, t] = step.target_logprobs[d] - logz
+                    else:
+                        unrecorded += 1
+    return ReplayBatch(ids, valid, depth_tokens, acc_w, rej_w, rej_idx, rej_t, used, rej_r, unrecorded)
 
 
 @dataclass
@@ -195,6 +212,9 @@ class OPDLossConfig:
     """`margin`: the drafter's log-prob of the target's top token must exceed the rejected draft's by this."""
     normalisation: str = "token_mean"
     """`token_mean`: one weighted token mean over both streams; `stream_means`: the sum of each stream's mean."""
+    rerun_rejected_target: bool = False
+    """k3 against a fresh target pass over each rejected step's prefix (`rejected_block_targets`) rather than
+    the recorded restricted log-prob: for records without `target_draft_logz`. `tv` and `margin` always take it."""
 
     def check(self) -> None:
         for name, value, allowed in (
@@ -216,12 +236,17 @@ def opd_loss_config(learner) -> OPDLossConfig:
 
 def rejected_block_targets(target, batch: ReplayBatch, d2t: torch.Tensor, chunk: int = 4):
     """The target at every replayed step's block, in the context it was verified in (the trajectory up to the
-    anchor, then the step's own drafts): (rows, ts, [R, D, Vt] full-vocabulary log-probs), R = replayed steps
-    with a rejected-stream weight, at depth d the distribution the step's draft d was verified against."""
+    anchor, then the step's own drafts), restricted to the draft vocabulary: (rows, ts, [R, D, Vd] log-probs,
+    target tokens processed without padding), R = replayed steps with a rejected-stream weight, at depth d the
+    distribution the step's draft d was verified against.
+
+    A target pass over each step's whole prefix: many times the replayed tokens (`target_tokens_per_token`).
+    Only `tv` and `margin`, which read the whole distribution there, and `rerun_rejected_target` need it; k3
+    reads the log-probs the rollout recorded."""
     rows, ts = (batch.rej_weight > 0).any(1).nonzero(as_tuple=True)
     depth = batch.depth_tokens.shape[1]
     offsets = torch.arange(depth, device=batch.input_ids.device)
-    parts = []
+    parts, tokens = [], 0
     for i in range(0, len(rows), chunk):  # a few contexts per target pass: full-vocabulary logits are large
         r, t = rows[i : i + chunk], ts[i : i + chunk]
         # The step's drafts are its depth tokens 1..D-1 at its anchor row; logits at t + 1 + d predict draft d.
@@ -229,15 +254,15 @@ def rejected_block_targets(target, batch: ReplayBatch, d2t: torch.Tensor, chunk:
             torch.cat([batch.input_ids[a, : b + 2], batch.depth_tokens[a, 1:, b]])
             for a, b in zip(r.tolist(), t.tolist())
         ]
+        tokens += sum(len(x) for x in seqs)
         ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         with torch.no_grad():
             logits = target.forward(ids, pos, want_aux=False).logits
         picked = logits[torch.arange(len(seqs), device=ids.device)[:, None], t[:, None] + 1 + offsets]
-        parts.append(torch.log_softmax(picked.float(), -1))
-    vocab = target.vocab_size
-    full = torch.cat(parts) if parts else torch.zeros(0, depth, vocab, device=batch.input_ids.device)
-    return rows, ts, full
+        parts.append(restrict_to_draft_vocab(picked, d2t))
+    restricted = torch.cat(parts) if parts else torch.zeros(0, depth, len(d2t), device=batch.input_ids.device)
+    return rows, ts, restricted, tokens
 
 
 def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
@@ -278,20 +303,54 @@ def _accepted_divergence(kind: str, t_logits, d_logits, input_ids, d2t, t2d_inde
     return torch.where(draft_id >= 0, bernoulli_forward_kl(t_lp, s_lp), torch.zeros_like(t_lp))
 
 
-def _rejected_stream(cfg: OPDLossConfig, target, batch: ReplayBatch, d_logits, d2t) -> torch.Tensor:
-    """[B, D, n] per-token loss of the rejected stream (zero where it has no weight)."""
-    if cfg.rej_coef == 0:  # the stream is off: no extra target pass
-        return torch.zeros_like(batch.rej_weight, dtype=torch.float32)
-    s_logp = torch.log_softmax(d_logits.float(), -1)
-    if cfg.rejection_loss == "k3" and cfg.k3_full_vocab_target:
-        picked = s_logp.gather(3, batch.rej_draft_idx[..., None]).squeeze(3)
-        return k3(batch.rej_target_logp, picked)
+_warned_rerun = False
+
+
+def _warn_rerun_cost(cfg: OPDLossConfig, tokens: int, replayed: int) -> None:
+    """Once per process: the re-run path's cost, in the units of `target_tokens_per_token`."""
+    global _warned_rerun
+    if not _warned_rerun:
+        _warned_rerun = True
+        why = f"learner.rejection_loss={cfg.rejection_loss}"
+        why = "learner.rerun_rejected_target=true" if cfg.rejection_loss == "k3" else why
+        print(
+            f"{why}: the rejected stream re-runs the target over every rejected step's prefix: {tokens} target "
+            f"tokens beside one pass over {replayed} replayed tokens ({(tokens + replayed) / max(replayed, 1):.1f}x; "
+            "logged every step as target_tokens_per_token)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _recorded_target(cfg: OPDLossConfig, batch: ReplayBatch) -> torch.Tensor:
+    """[B, D, n] the target log-prob k3 compares with: recorded at verification, no target pass."""
+    if cfg.k3_full_vocab_target:
+        return batch.rej_target_logp
+    if batch.num_unrecorded:
+        raise ValueError(
+            f"{batch.num_unrecorded} rejected drafts come from verification steps without target_draft_logz "
+            "(recorded before it existed, or by a backend that does not record it), which k3 against the "
+            "draft-vocabulary target needs: roll out again, or set learner.rerun_rejected_target=true to re-run "
+            "the target over each rejected step's prefix (many target passes per trajectory)"
+        )
+    return batch.rej_target_logp_draft
+
+
+def _rejected_stream(cfg: OPDLossConfig, target, batch: ReplayBatch, d_logits, d2t) -> tuple[torch.Tensor, int]:
+    """([B, D, n] per-token loss of the rejected stream, zero where it has no weight; target tokens it processed).
+
+    The drafter's log-softmax is taken only at the rejected positions, not over the whole [B, D, n, Vd] grid."""
     out = torch.zeros_like(batch.rej_weight, dtype=torch.float32)
-    rows, ts, full = rejected_block_targets(target, batch, d2t)
-    if not len(rows):
-        return out
-    t_logp = torch.log_softmax(full[..., d2t], -1)  # [R, D, Vd]: the target restricted to the draft vocabulary
-    s = s_logp[rows, :, ts]  # [R, D, Vd]
+    if cfg.rej_coef == 0 or not (batch.rej_weight > 0).any():  # the stream is off or empty: no target pass
+        return out, 0
+    if cfg.rejection_loss == "k3" and not cfg.rerun_rejected_target:
+        at = (batch.rej_weight > 0).nonzero(as_tuple=True)  # (b, d, t) of every rejected-stream token
+        s = torch.log_softmax(d_logits[at].float(), -1).gather(1, batch.rej_draft_idx[at][:, None]).squeeze(1)
+        out[at] = k3(_recorded_target(cfg, batch)[at], s)
+        return out, 0
+    rows, ts, t_logp, tokens = rejected_block_targets(target, batch, d2t)  # t_logp [R, D, Vd]
+    _warn_rerun_cost(cfg, tokens, int(batch.valid.sum()))
+    s = torch.log_softmax(d_logits[rows, :, ts].float(), -1)  # [R, D, Vd]
     drafted = batch.rej_draft_idx[rows, :, ts]  # [R, D]
     if cfg.rejection_loss == "k3":
         value = k3(t_logp.gather(2, drafted[..., None]).squeeze(2), s.gather(2, drafted[..., None]).squeeze(2))
@@ -302,7 +361,7 @@ def _rejected_stream(cfg: OPDLossConfig, target, batch: ReplayBatch, d_logits, d
         gap = s.gather(2, best[..., None]).squeeze(2) - s.gather(2, drafted[..., None]).squeeze(2)
         value = torch.where(best == drafted, torch.zeros_like(gap), torch.relu(cfg.margin - gap))
     out[rows, :, ts] = value
-    return out
+    return out, tokens
 
 
 def opd_loss(
@@ -325,7 +384,7 @@ def opd_loss(
         acc[:, d, :span] = _accepted_divergence(
             cfg.accepted_divergence, t_logits, d_logits, batch.input_ids, d2t, t2d_index, d, span
         )
-    rej = _rejected_stream(cfg, target, batch, d_logits, d2t)
+    rej, rerun_tokens = _rejected_stream(cfg, target, batch, d_logits, d2t)
     acc_w, rej_w = batch.acc_weight, batch.rej_weight
     if cfg.accepted_cat:
         acc_w = acc_w * cat_grid(t_logits, batch.input_ids, depth).to(acc_w.device)
@@ -343,5 +402,8 @@ def opd_loss(
         "num_replayed_steps": batch.num_steps,
         "num_rows": b,
         "num_tokens": int(batch.valid.sum()),
+        # The target's tokens this step (padding excluded) per replayed token: one teacher-forced pass over each
+        # trajectory is 1.0; re-running prefixes for the rejected stream adds `rerun_tokens`.
+        "target_tokens_per_token": (int(batch.valid.sum()) + rerun_tokens) / max(int(batch.valid.sum()), 1),
     }
     return loss, metrics

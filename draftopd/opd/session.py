@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec
 from draftopd.opd.replay import opd_loss_config
 from draftopd.opd.runtime import InProcessRuntime, RayRuntime
-from draftopd.opd.weight_sync import StaleWeights, make_weight_sync
+from draftopd.opd.weight_sync import StaleWeights, WeightSyncError, make_weight_sync
 from draftopd.rundir import RunDir
 from draftopd.sft.trainer import SFTExample, lr_at
 from draftopd.sft.vocab import build_draft_vocab
@@ -77,12 +76,6 @@ class DriverState:
     history: list = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ray(cfg: Config) -> None:
     import ray
 
@@ -130,7 +123,7 @@ class Session:
             load_prompts(cfg.data.eval_prompts, "held_out", cfg.opd.num_eval_prompts, cfg.run.seed),
             think,
         )
-        self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt)
+        self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt, cfg.rollout.backend)
         self.eval_k = cfg.eval.num_draft_tokens[0]  # the periodic held-out eval's K (the eval section's first)
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
@@ -164,7 +157,8 @@ class Session:
             c.run.seed,
         )
         self.learners = learner_actors(c, spec, 0)
-        master = (self._learners_get([self.learners[0].node_ip.remote()], "placement")[0], _free_port())
+        # DeepSpeed's rendezvous: a free port on rank 0's node, chosen there (under KubeRay the driver is another pod)
+        master = tuple(self._learners_get([self.learners[0].free_port.remote()], "placement")[0])
         micro = max(1, c.learner.batch_size)
         self._learners_get([learner.setup.remote(micro, master) for learner in self.learners], "setup")
         self.state.drafter_config = self._learners_get([self.learners[0].drafter_config.remote()], "setup")[0]
@@ -308,17 +302,29 @@ class Session:
         )
         m["learner/samples_per_s"] = n * per_rank / (time.perf_counter() - t0)
         m["learner/lr"] = lr
+        if "target_tokens_per_token" in m:  # opd_loss's count, charted beside the step's other learner figures
+            m["learner/target_tokens_per_token"] = m.pop("target_tokens_per_token")
         return m
 
     def sync(self) -> float:
-        """Publish rank 0's drafter at the current policy version to every worker; returns the seconds it took."""
+        """Publish rank 0's drafter at the current policy version to every worker; returns the seconds it took.
+
+        A collective sync that fails (a worker killed mid-broadcast, a timeout) is published once more over a new
+        group, with the workers Ray restarted meanwhile; a second failure ends the job.
+        """
         t0 = time.perf_counter()
-        try:
-            self.update = self.weight_sync.publish(
-                self.learners, self.workers, self.state.drafter_config, self.state.policy_version
-            )
-        except self.rt.ActorDied as exc:
-            raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
+        for attempt in (1, 2):
+            try:
+                self.update = self.weight_sync.publish(
+                    self.learners, self.workers, self.state.drafter_config, self.state.policy_version
+                )
+                break
+            except WeightSyncError as exc:
+                if attempt == 2:
+                    raise TrainingError(f"weight sync failed twice in a row ({_first_line(exc)})") from None
+                tqdm.write(f"{_first_line(exc)}; publishing again over a new group")
+            except self.rt.ActorDied as exc:
+                raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
         return time.perf_counter() - t0
 
     def save_drafter(self, path: Path) -> Path:

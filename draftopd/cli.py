@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML, or a run directory to resume")
     p.add_argument("overrides", nargs="*", help="section.field=value")
 
+    p = sub.add_parser("plan", help="a recipe's memory per GPU role against cluster.gpu, step times and hours")
+    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+    p.add_argument("--json", default=None, help="also write the plan here (roles, parts, hours)")
+
     p = sub.add_parser("generate", help="decode prompts, with or without a drafter, writing step records")
     _sampling_args(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (omit: target alone)")
@@ -451,6 +456,7 @@ def cmd_inspect(args) -> None:
 
 def cmd_train(args) -> None:
     from draftopd.config import ConfigError, load_config
+    from draftopd.plan import check_before_train
     from draftopd.sft.pipeline import run_sft
 
     run_dir = Path(args.recipe)
@@ -461,12 +467,19 @@ def cmd_train(args) -> None:
         cfg = load_config(run_dir / "config.yaml", [*resume, *args.overrides])
     else:
         cfg = load_config(args.recipe, args.overrides)
+    check_before_train(cfg, args.recipe)  # a layout that cannot fit its GPUs stops here, before any actor starts
     if cfg.opd.enabled:
         from draftopd.opd.driver import run_opd
 
         run_opd(cfg, sys.argv)
     else:
         run_sft(cfg, sys.argv)
+
+
+def cmd_plan(args) -> None:
+    from draftopd.plan import plan_command
+
+    plan_command(args.recipe, args.overrides, args.json)
 
 
 def cmd_make_toy_target(args) -> None:
@@ -802,6 +815,7 @@ def cmd_cluster(args) -> None:
 
 COMMANDS = {
     "train": cmd_train,
+    "plan": cmd_plan,
     "generate": cmd_generate,
     "diagnose": cmd_diagnose,
     "export": cmd_export,

@@ -33,6 +33,7 @@ from torch import nn
 from draftopd.drafters.base import Pick
 from draftopd.drafters.eagle3_formats import FORMATS, export_state, import_state, read_config
 from draftopd.drafters.eagle3_layers import ROPE_TYPES, MidLayer
+from draftopd.drafters.ttt_attention import dense_mask, dense_ttt_attention, diagonal_mass, ttt_attention
 from draftopd.models.layers import RMSNorm, at_least_fp32, attend_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -235,6 +236,7 @@ class Eagle3Drafter(nn.Module):
         depth: int,
         depth_tokens: torch.Tensor | None = None,
         trace: list | None = None,
+        attention: str = "chunked",
     ) -> list[torch.Tensor]:
         """Training-time test over whole sequences; returns draft logits per depth, [B, L-1, Vd] each.
 
@@ -247,13 +249,19 @@ class Eagle3Drafter(nn.Module):
         `trace`, when given, receives per depth the attention mass on the drafter's own
         earlier drafts (rest: the target's context) and the norm of the state fed
         forward, both [B, L-1] (for drift diagnostics).
+        `attention`: "chunked" (memory linear in L, ttt_attention.py) or "dense" (the
+        former [B, H, L, L] computation, kept as the tests' reference).
         """
         b, n = input_ids.shape[0], input_ids.shape[1] - 1
         attn = self.midlayer.self_attn
         state = self.fuse(aux[:, :n])
         pos = torch.arange(n, device=input_ids.device).expand(b, n)
-        causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
-        mask0 = causal[None] & key_valid[:, None, :n]  # [B, T, T]
+        if attention == "chunked":
+            attend, valid, repeat = ttt_attention, key_valid[:, :n], False
+        elif attention == "dense":
+            attend, valid, repeat = dense_ttt_attention, dense_mask(key_valid[:, :n]), True
+        else:
+            raise ValueError(f"TTT attention '{attention}' is not one of: chunked, dense")
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         ks, vs, outs = [], [], []
         for d in range(depth):
@@ -262,21 +270,14 @@ class Eagle3Drafter(nn.Module):
             else:
                 tokens = torch.roll(input_ids, shifts=-(1 + d), dims=1)[:, :n]  # token_{t+1+d}; tail rows unused
             x, residual = self._attn_input(tokens, state)
-            q, k, v = attn.qkv(x, pos + d)
+            q, k, v = attn.qkv(x, pos + d, repeat_kv=repeat)
             ks.append(k)
             vs.append(v)
-            scores0 = (q @ ks[0].transpose(-1, -2)) * scale
-            scores0 = scores0.masked_fill(~mask0[:, None], float("-inf"))
-            diag = torch.stack([(q * kk).sum(-1) * scale for kk in ks[1:]], dim=-1) if d else None
-            scores = scores0 if diag is None else torch.cat([scores0, diag], dim=-1)
-            probs = torch.softmax(scores.to(at_least_fp32(q.dtype)), dim=-1).to(q.dtype).nan_to_num(0.0)
-            o = probs[..., :n] @ vs[0]
-            for e in range(1, d + 1):
-                o = o + probs[..., n + e - 1 : n + e] * vs[e]
+            o, lse = attend(q, ks, vs, valid, scale)
             logits, state = self._finish(attn.out(o), residual)
             outs.append(logits)
             if trace is not None:
-                own = probs[..., n:].sum(-1).mean(1) if d else torch.zeros_like(state[..., 0])
+                own = diagonal_mass(q, ks, lse, scale).mean(1)
                 trace.append({"own_mass": own.detach(), "state_norm": state.norm(dim=-1).detach()})
         return outs
 

@@ -123,6 +123,14 @@ def loss_saved_bytes(d: DrafterShape, rows: int, seq: int, depth: int, rejected_
     return rows * (rows_by_depth * 2 * d.draft_vocab * F32 + rejected_per_token * n * d.draft_vocab * F32)
 
 
+def ttt_activation_bytes(*, hidden, intermediate, heads, kv_heads, draft_vocab, vocab, depth, seq_len, batch,
+                         dtype_bytes) -> float:  # fmt: skip
+    """What autograd saves for one SFT TTT loss forward at a drafter shape (head_dim hidden / heads, three aux
+    states of the target's width): the figure scripts/gpu-check sets beside its measurement."""
+    d = DrafterShape(hidden, intermediate, heads, kv_heads, hidden // heads, vocab, draft_vocab, hidden)
+    return ttt_saved_bytes(d, batch, seq_len, depth, dtype_bytes) + loss_saved_bytes(d, batch, seq_len, depth)
+
+
 def rejected_per_token(k: int, tau: float = ASSUMED_TAU) -> float:
     """Rejected-stream tokens per trajectory token: each step (tau tokens) scores its K + 1 - tau rejected drafts."""
     return max(k + 1 - tau, 0.0) / tau

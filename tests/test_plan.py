@@ -26,6 +26,7 @@ from draftopd.plan import (
     make_plan,
     refusal,
     rejected_per_token,
+    ttt_activation_bytes,
     ttt_saved_bytes,
 )
 from draftopd.plan_specs import GiB, PlanError, drafter_shape, shape_from_config
@@ -116,6 +117,12 @@ def test_sft_ttt_saved_bytes_match_the_plan(size, dtype):
     e = drafter.fc.weight.element_size()
     estimate = ttt_saved_bytes(shape, rows, seq, 7, e) + loss_saved_bytes(shape, rows, seq, 7)
     _close(estimate, measured, f"{size} {dtype} SFT TTT (T={seq})")
+    if size == "mid":  # the seam scripts/gpu-check reads gives the same figure at a drafter shape
+        s = shape
+        seam = ttt_activation_bytes(hidden=s.hidden, intermediate=s.intermediate, heads=s.heads,
+                                    kv_heads=s.kv_heads, draft_vocab=s.draft_vocab, vocab=s.vocab, depth=7,
+                                    seq_len=seq, batch=rows, dtype_bytes=e)  # fmt: skip
+        assert seam == estimate
 
 
 def _trajectory(vocab: int, prompt: int, length: int, k: int, accepted: int, rng: random.Random) -> Trajectory:

@@ -39,6 +39,7 @@ def rollout_actors(cfg: Config, eos: list[int]):
         from draftopd.vllm_backend.rollout import VllmOptions
 
         options = VllmOptions(cfg.target.dtype, r.vllm_memory_fraction, r.vllm_max_model_len, r.vllm_enforce_eager)
+        options.num_draft_tokens = r.num_draft_tokens  # K of an engine started to receive a weight transfer
     args = (cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype, eos, r.num_threads)
     return [actor.remote(*args, i, r.backend, options) for i in range(r.num_workers)]
 

@@ -292,20 +292,43 @@ class DraftLearner:
             s.bind(("", 0))
             return self.node_ip(), s.getsockname()[1]
 
-    def join_weight_group(self, name: str, rank: int, backend: str, host: str, port: int, size: int, timeout_s):
-        from draftopd.opd.weight_sync import join_group
+    def join_weight_group(self, name: str, rank: int, transport: str, host: str, port: int, size: int, timeout_s):
+        """Leave the group this rank was in (its store and connections go with it), then join `name` as `rank`."""
+        self.leave_weight_group()
+        if transport == "vllm":  # NCCL into vLLM's weight-transfer engine: its own rendezvous, from this GPU
+            from draftopd.vllm_backend.transfer import TrainerGroup
 
-        self.weight_group = (name, backend, join_group(backend, host, port, rank, size, timeout_s))
+            self.weight_group = TrainerGroup.join(name, host, port, size, timeout_s)
+            return
+        from draftopd.opd.weight_sync import TorchGroup, join_group
+
+        group = join_group(transport, host, port, rank, size, timeout_s)
+        self.weight_group = TorchGroup(name, transport, group, timeout_s)
+
+    def leave_weight_group(self) -> None:
+        group, self.weight_group = getattr(self, "weight_group", None), None
+        if group is not None:
+            group.close()
 
     def broadcast_weights(self, name: str, items: list) -> None:
-        from draftopd.opd.weight_sync import broadcast_state
+        """Rank 0 sends the drafter from where it lives (its GPU under NCCL); a failure closes this rank's end."""
+        import deepspeed
 
-        state = self.weights()
-        if self.rank != 0:
-            return
-        group_name, backend, group = self.weight_group
-        assert group_name == name, (group_name, name)
-        broadcast_state(group, backend, items, state)
+        from draftopd.opd.weight_sync import WeightSyncError, sync_failure
+
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.spec.zero_stage == 3):
+            if self.rank != 0:
+                return
+            group = getattr(self, "weight_group", None)
+            if group is None or group.name != name:
+                raise WeightSyncError(f"learner rank 0 is not in weight-sync group {name!r}")
+            state = {k: v.detach() for k, v in self.engine.module.state().items()}
+            try:
+                group.send(state, items)
+            except Exception as exc:
+                self.leave_weight_group()
+                raise sync_failure("learner rank 0", name, exc) from None
 
     def pid(self) -> int:
         return os.getpid()

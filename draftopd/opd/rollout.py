@@ -83,20 +83,55 @@ class RolloutWorker:
 
     # -- the receiving end of a collective weight sync (opd/weight_sync.py) -------------------------
 
-    def join_weight_group(self, name: str, rank: int, backend: str, host: str, port: int, size: int, timeout_s):
-        from draftopd.opd.weight_sync import join_group
+    def join_weight_group(
+        self, name: str, rank: int, transport: str, host: str, port: int, size: int, timeout_s, layout=None
+    ):
+        """Leave the old group (a worker that was not restarted is still in it), then join `name` as `rank`.
 
-        self.group = (name, backend, join_group(backend, host, port, rank, size, timeout_s))
+        With the `vllm` transport the engine itself joins (vLLM's weight-transfer engine); `layout`
+        (drafter config, manifest) starts a drafter engine for it when there is none yet.
+        """
+        self.leave_weight_group()
+        if transport == "vllm":
+            self._vllm().join_transfer(name, host, port, rank, size, timeout_s, *layout)
+            self.group = (name, transport, None)
+            return
+        from draftopd.opd.weight_sync import TorchGroup, join_group
+
+        group = TorchGroup(name, transport, join_group(transport, host, port, rank, size, timeout_s), timeout_s)
+        self.group = (name, transport, group)
+
+    def leave_weight_group(self) -> None:
+        old, self.group = self.group, None
+        if old is None:
+            return
+        if old[1] == "vllm":
+            self.vllm.leave_transfer()
+        else:
+            old[2].close()
 
     def weight_group(self) -> str:
+        if self.group and self.group[1] == "vllm" and not self.vllm.in_transfer(self.group[0]):
+            self.group = None  # the engine was rebuilt (another K, target-only): it left the group
         return self.group[0] if self.group else ""
 
     def receive_weights(self, update: WeightUpdate, items: list) -> int:
-        from draftopd.opd.weight_sync import broadcast_state
+        """This worker's end of a broadcast. A worker restarted since the group formed is not in it: it says so
+        at once (the driver's publish then fails and forms a new group) instead of waiting for tensors."""
+        from draftopd.opd.weight_sync import WeightSyncError, sync_failure
 
-        name, backend, group = self.group
-        assert name == update.group, (name, update.group)
-        state = broadcast_state(group, backend, items, None)
+        who = f"rollout worker {self.index}"
+        if self.weight_group() != update.group:
+            raise WeightSyncError(f"{who} is not in weight-sync group {update.group!r} (restarted since it formed?)")
+        name, transport, group = self.group
+        try:
+            if transport == "vllm":
+                self.policy_version = self.vllm.receive(update.drafter_config, items, update.policy_version)
+                return self.policy_version
+            state = group.receive(items)
+        except Exception as exc:
+            self.leave_weight_group()
+            raise sync_failure(who, name, exc) from None
         return self.load_weights(update.drafter_config, state, update.policy_version)
 
     def weights(self) -> dict | None:
@@ -106,7 +141,7 @@ class RolloutWorker:
         return self.drafter.state() if self.drafter is not None else None
 
     def _has_drafter(self) -> bool:
-        return self.vllm.state is not None if self.backend == "vllm" and self.vllm else self.drafter is not None
+        return self.vllm.holds_drafter() if self.backend == "vllm" and self.vllm else self.drafter is not None
 
     def _vllm(self):
         if self.vllm is None:
@@ -145,7 +180,11 @@ class RolloutWorker:
     def _generate_vllm(self, prompts, prompt_indices, sampling, with_drafter: bool, batch_size: int):
         out: list[Trajectory] = []
         for i in range(0, len(prompts), batch_size):  # vLLM batches by itself; chunks keep the seeds per chunk
-            chunk = self._vllm().generate(prompts[i : i + batch_size], sampling, with_drafter)
+            try:
+                chunk = self._vllm().generate(prompts[i : i + batch_size], sampling, with_drafter)
+            except StaleWeights:  # a new engine (weights by transfer) left the group: the driver publishes again
+                self.policy_version, self.group = -1, None
+                raise
             for t, idx in zip(chunk, prompt_indices[i : i + batch_size]):
                 t.prompt_index = idx
             out.extend(chunk)

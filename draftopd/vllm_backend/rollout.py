@@ -5,6 +5,12 @@ for drafted rollouts, or the target alone for target-only calls (the training
 responses). vLLM fixes the speculator and K when it starts, so switching
 between the two, or changing K, rebuilds the engine; new weights of the same
 drafter are pushed into the running engine, which confirms the version.
+
+Two ways in for those weights: `set_drafter` (CPU tensors, loaded by the hook's
+layerwise reload: the object-store and gloo transports) and, on GPUs, `receive`
+(NCCL through vLLM's weight-transfer engine, transfer.py), where this process
+never holds the weights. An engine rebuilt in that mode starts from a placeholder
+drafter and refuses drafted calls with `StaleWeights` until the driver pushes again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class VllmOptions:
     max_model_len: int = 2048
     enforce_eager: bool = True
     seed: int = 0
+    num_draft_tokens: int = 4  # K of a drafter engine started for a weight-transfer group (the rollout's)
 
 
 class VllmRollout:
@@ -36,6 +43,10 @@ class VllmRollout:
         self.state: dict | None = None
         self.version = -1
         self.engine_version = -1  # the drafter version the running engine confirmed
+        self.transfer = ""  # the weight-transfer group the running engine joined (GPU pushes)
+        self.pushed = False  # weights arrive by transfer: no CPU copy here, engines start from a placeholder
+        self.timeout_s = 300.0
+        self.items: list = []  # the drafter's manifest, for a placeholder checkpoint
         self.workdir = Path(tempfile.mkdtemp(prefix="draftopd-vllm-"))
 
     def set_drafter(self, config: dict, state: dict, version: int) -> int:
@@ -49,6 +60,46 @@ class VllmRollout:
                 self._shutdown()
         return version
 
+    def holds_drafter(self) -> bool:
+        return self.state is not None or (self.pushed and self.engine_version >= 0)
+
+    # -- GPU pushes through vLLM's weight-transfer engine (transfer.py) ------------------------------
+
+    def join_transfer(self, name, host, port, rank, size, timeout_s, config: dict, items: list) -> None:
+        """Join a transfer group; with no drafter engine running, start one (at the rollout's K) to receive."""
+        from draftopd.vllm_backend import transfer
+
+        self.pushed, self.timeout_s, self.items = True, timeout_s, items
+        if self.engine is None or not self.engine.has_drafter or self.config != config:
+            self.config, self.state = config, None
+            self._start(True, self.engine.num_draft_tokens if self.engine else self.options.num_draft_tokens)
+        transfer.join(self.engine.llm, transfer.init_info(host, port, rank, size, items), timeout_s)
+        self.transfer = name
+
+    def receive(self, config: dict, items: list, version: int) -> int:
+        """This engine's end of one push; an engine stuck in a failed push is shut down (a new one is started
+        for the next group)."""
+        from draftopd.vllm_backend import transfer
+
+        try:
+            transfer.receive(self.engine.llm, items, self.timeout_s)
+        except BaseException:
+            self.transfer = ""
+            self._shutdown()
+            raise
+        self.config, self.version, self.engine_version = config, version, version
+        return version
+
+    def leave_transfer(self) -> None:
+        from draftopd.vllm_backend import transfer
+
+        if self.engine is not None and self.transfer:
+            transfer.leave(self.engine.llm)
+        self.transfer = ""
+
+    def in_transfer(self, name: str) -> bool:
+        return self.engine is not None and self.transfer == name
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, with_drafter: bool) -> list[Trajectory]:
         engine = self._engine(with_drafter, sampling.num_draft_tokens)
         return engine.generate(prompts, sampling, self.engine_version if with_drafter else -1)
@@ -57,15 +108,25 @@ class VllmRollout:
         e = self.engine
         if e is not None and e.has_drafter == with_drafter and (not with_drafter or e.num_draft_tokens == k):
             return e
+        if with_drafter and self.pushed:
+            from draftopd.opd.weight_sync import StaleWeights
+
+            self._start(True, k)  # ready for the next push, which the refusal below asks the driver for
+            raise StaleWeights(f"the vLLM engine was restarted for K={k}: its drafter needs the weights pushed again")
+        if with_drafter and self.state is None:
+            raise RuntimeError("a drafted rollout was asked for before any drafter weights arrived")
+        return self._start(with_drafter, k)
+
+    def _start(self, with_drafter: bool, k: int):
+        """A new engine: the held weights' checkpoint (or a zero placeholder when weights arrive by transfer)."""
         from draftopd.drafters import write_checkpoint
         from draftopd.vllm_backend.engine import VllmEngine
 
         self._shutdown()
         drafter_dir = None
         if with_drafter:
-            if self.state is None:
-                raise RuntimeError("a drafted rollout was asked for before any drafter weights arrived")
-            drafter_dir = write_checkpoint(self.config, self.state, self.workdir / f"drafter-v{self.version:06d}")
+            state = self.state if self.state is not None else _placeholder(self.items)
+            drafter_dir = write_checkpoint(self.config, state, self.workdir / f"drafter-v{self.version:06d}")
         o = self.options
         self.engine = VllmEngine(
             self.target_dir,
@@ -77,13 +138,22 @@ class VllmRollout:
             memory_fraction=o.memory_fraction,
             seed=o.seed,
             enforce_eager=o.enforce_eager,
+            weight_transfer=with_drafter and self.pushed,
         )
-        self.engine_version = self.version if with_drafter else -1
+        self.transfer = ""
+        self.engine_version = self.version if with_drafter and self.state is not None else -1
         return self.engine
 
     def _shutdown(self) -> None:
         if self.engine is None:
             return
         self.engine.shutdown()
-        self.engine = None
+        self.engine, self.transfer = None, ""
         gc.collect()
+
+
+def _placeholder(items: list) -> dict:
+    """Zero tensors of the drafter's manifest: what an engine starts from before its first push."""
+    import torch
+
+    return {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, shape, dtype in items}

@@ -66,6 +66,7 @@ class VllmEngine:
         record: bool = True,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
+        weight_transfer: bool = False,
     ):
         check_install()
         if record:
@@ -97,6 +98,8 @@ class VllmEngine:
         )
         # the extension also reloads drafter weights, so it is loaded even when nothing is recorded
         kwargs = {"per_request_spec_decode_metrics": "detailed"} if record and spec else {}
+        if weight_transfer:  # drafter pushes by NCCL through vLLM's weight-transfer engine (vllm_backend/transfer.py)
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
         try:
             self.llm = build_llm(settings, worker_extension_cls=EXTENSION, **kwargs)
         except Exception as exc:  # vLLM's config errors do not pickle, so they would not cross a Ray actor boundary

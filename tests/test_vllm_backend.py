@@ -95,12 +95,35 @@ def _assert_same_records(native, ours):
         for x, y in zip(a.steps, b.steps):
             assert y.target_logprobs == pytest.approx(x.target_logprobs, abs=1e-4)
             assert y.draft_logprobs == pytest.approx(x.draft_logprobs, abs=1e-3)
+            assert y.target_draft_logz == pytest.approx(x.target_draft_logz, abs=2e-5)
+
+
+def _recomputed_logz(target, drafter, traj) -> list[float]:
+    """Each step's `target_draft_logz` from one target pass over the step's own context (the committed tokens
+    up to its anchor, then its drafts): logsumexp of the target's log-softmax over the drafter's draft vocabulary.
+    Flattened over the steps."""
+    ids = drafter.draft_to_target_ids()
+    seq = traj.prompt_ids + traj.output_ids
+    out = []
+    for s in traj.steps:
+        tokens = torch.tensor([seq[: s.position] + s.draft_tokens])
+        with torch.no_grad():
+            logits = target.forward(tokens, torch.arange(tokens.shape[1])[None], want_aux=False).logits[0]
+        rows = torch.log_softmax(logits[s.position - 1 : s.position - 1 + len(s.draft_tokens)].double(), -1)
+        out.extend(rows[:, ids].logsumexp(-1).tolist())
+    return out
 
 
 def test_vllm_records_the_native_engines_steps_at_temperature_0(toy, engine):
-    native = _native(toy, load_drafter(str(ASSETS / "toy-eagle3"), toy[0]))
+    drafter = load_drafter(str(ASSETS / "toy-eagle3"), toy[0])
+    native = _native(toy, drafter)
     ours = engine.generate(toy[2], GREEDY, policy_version=0)
     _assert_same_records(native, ours)
+    # the target's mass over EAGLE-3's draft vocabulary (half the target's here), as the target gives it
+    recorded = [z for s in ours[0].steps for z in s.target_draft_logz]
+    assert recorded == pytest.approx(_recomputed_logz(toy[0], drafter, ours[0]), abs=2e-5)
+    assert all(len(s.target_draft_logz) == K for t in ours for s in t.steps)
+    assert min(z for t in ours for s in t.steps for z in s.target_draft_logz) < -1e-3  # not the whole vocab's 0.0
     assert sum(len(t.steps) for t in ours) > 30  # real verification, not the target alone
     assert acceptance_stats(ours, K)["tau"] == pytest.approx(acceptance_stats(native, K)["tau"])
     assert all(t.policy_version == 0 for t in ours)

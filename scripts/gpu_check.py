@@ -96,10 +96,14 @@ def _memory_lines(result: dict) -> list[str]:
             f" + step {result['step_gib']:.2f} GiB"
         )
     lines.append(
-        f"  saved for backward: {result['saved_activation_gib']:.2f} GiB;  step {result['step_seconds']:.1f} s"
+        f"  saved for backward: {result['saved_activation_gib']:.3f} GiB;  step {result['step_seconds']:.1f} s"
     )
     plan = result["plan"]
-    lines.append(f"  plan: {plan['activation_gib']:.2f} GiB" if plan["available"] else f"  plan: {plan['note']}")
+    if plan["available"]:
+        ratio = plan["measured_over_plan"]
+        lines.append(f"  plan: {plan['activation_gib']:.3f} GiB saved for backward (measured / plan {ratio:.3f})")
+    else:
+        lines.append(f"  plan: {plan['note']}")
     return lines
 
 

@@ -82,7 +82,11 @@ class SavedBytes:
         self.seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor):
-        s = t.untyped_storage()
+        try:
+            s = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage: counted by its size
+            self.seen[id(t)] = t.numel() * t.element_size()
+            return t
         if s.data_ptr() not in self.skip:
             self.seen[s.data_ptr()] = s.nbytes()
         return t
@@ -92,20 +96,14 @@ class SavedBytes:
         return sum(self.seen.values())
 
 
-def plan_figure(shape: Shape) -> dict:
-    """The planner's per-sequence activation estimate at this shape, when draftopd/plan.py provides one.
-
-    >>> PLANNER SEAM: calls `draftopd.plan.ttt_activation_bytes(...)` (keyword arguments as below), the
-    name to agree with the planner's author; absent, the report says so instead of a figure.
-    """
+def plan_figure(shape: Shape, measured_bytes: int) -> dict:
+    """The planner's saved-activation figure at this shape (`draftopd.plan.ttt_activation_bytes`), and the
+    measurement over it; a tree without the planner says so instead of failing the section."""
     try:
-        from draftopd import plan
+        from draftopd.plan import ttt_activation_bytes
     except ImportError as exc:
-        return {"available": False, "note": f"draftopd.plan not importable ({exc})"}
-    fn = getattr(plan, "ttt_activation_bytes", None)
-    if fn is None:
-        return {"available": False, "note": "draftopd.plan has no ttt_activation_bytes"}
-    n = fn(
+        return {"available": False, "note": f"no draftopd.plan.ttt_activation_bytes ({exc})"}
+    n = ttt_activation_bytes(
         hidden=shape.hidden,
         intermediate=shape.intermediate,
         heads=shape.heads,
@@ -117,7 +115,7 @@ def plan_figure(shape: Shape) -> dict:
         batch=shape.batch,
         dtype_bytes=2,
     )
-    return {"available": True, "activation_gib": n / GIB}
+    return {"available": True, "activation_gib": n / GIB, "measured_over_plan": measured_bytes / n}
 
 
 def run(device: str, shape: Shape, dtype=torch.bfloat16) -> dict:
@@ -158,7 +156,7 @@ def run(device: str, shape: Shape, dtype=torch.bfloat16) -> dict:
         "build_seconds": build_s,
         "step_seconds": time.perf_counter() - t0,
         "saved_activation_gib": saved.total / GIB,
-        "plan": plan_figure(shape),
+        "plan": plan_figure(shape, saved.total),
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated()

@@ -65,7 +65,9 @@ def test_quick_check_passes_without_ray_deepspeed_mlflow_omegaconf(tmp_path):
     for step in ("sft", "opd"):
         assert learner[step]["ok"] and learner[step]["weights_changed"] and learner[step]["skipped_nonfinite"] == 0
     mem = r["sections"]["memory"]
-    assert mem["ok"] and mem["saved_activation_gib"] > 0 and "plan" in mem
+    assert mem["ok"] and mem["saved_activation_gib"] > 0
+    if mem["plan"]["available"]:  # the planner's figure at the same shape: the seam passes the shape right
+        assert 0.8 <= mem["plan"]["measured_over_plan"] <= 1.2, mem["plan"]
     assert all("seconds" in s for s in r["sections"].values())
 
 

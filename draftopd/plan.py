@@ -166,8 +166,9 @@ def learner_role(name: str, cfg, t: TargetShape, d: DrafterShape, phase: dict, d
     parts["activations"] = ttt_saved_bytes(d, rows, seq, depth, e) / GiB
     loss = loss_saved_bytes(d, rows, seq, depth, phase["rejected"])
     target_logits = rows * seq * t.vocab * e  # the teacher's full-vocabulary logits, alive through the loss
-    drafter_logits = 2 * rows * depth * (seq - 1) * d.draft_vocab * e  # [B, D, n, Vd] and its gradient
-    parts["logits"] = (loss + target_logits + drafter_logits) / GiB
+    drafter_logits = 2 * rows * depth * (seq - 1) * d.draft_vocab * e  # [B, D, n, Vd], later its gradient
+    working = 3 * rows * (seq - 1) * d.draft_vocab * F32  # one depth's fp32 restricted target, exp, difference
+    parts["logits"] = (loss + target_logits + drafter_logits + working) / GiB
     if on_gpu:
         bucket = min(ZERO_BUCKET, d.trainable_params) * e if zero else 0
         attention_workspace = 4 * (1 << 26) * F32  # ttt_attention's backward: a few fp32 score blocks at once

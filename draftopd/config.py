@@ -459,7 +459,11 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind in ("dflash", "pard"):
+    # Pushes into vLLM's DFlash drafter were measured broken on CPU (the hook's reload); on GPUs (sync.backend=nccl)
+    # they go through vLLM's weight-transfer engine in one load_weights call, after which DFlash rebuilds its fused
+    # context K/V weights (vllm_backend/transfer.py).
+    gpu_push = cfg.sync.backend == "nccl" and cfg.rollout.num_gpus_per_worker > 0 and cfg.drafter.kind == "dflash"
+    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind in ("dflash", "pard") and not gpu_push:
         name = {"dflash": "DFlash drafter", "pard": "draft model (PARD)"}[cfg.drafter.kind]
         raise ConfigError(
             f"Draft-OPD pushes drafter weights into the rollout engine, which vLLM's {name} does not take yet: "

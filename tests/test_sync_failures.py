@@ -142,3 +142,80 @@ def test_deepspeed_rendezvous_comes_from_rank_0(tmp_path):
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_dflash_opd_with_vllm_rollouts_is_refused_on_cpu_only():
+    """Pushes into vLLM's DFlash drafter go through the weight-transfer engine on GPUs (NCCL); the CPU reload of
+    the same drafter was measured broken, so that layout stays refused."""
+    from draftopd.config import ConfigError, load_config
+
+    recipe = RECIPE.parent / "toy-dflash-opd.yaml"
+    with pytest.raises(ConfigError, match="rollout.backend=native"):
+        load_config(recipe, ["rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match="rollout.backend=native"):
+        load_config(recipe, ["rollout.backend=vllm", "sync.backend=gloo", "rollout.num_gpus_per_worker=1"])
+    cfg = load_config(recipe, ["rollout.backend=vllm", "sync.backend=nccl", "rollout.num_gpus_per_worker=1"])
+    assert cfg.drafter.kind == "dflash" and cfg.rollout.backend == "vllm"
+    with pytest.raises(ConfigError, match="rollout.backend=native"):  # PARD's draft model takes no pushes yet
+        load_config(
+            RECIPE.parent / "toy-pard2-opd.yaml",
+            ["rollout.backend=vllm", "sync.backend=nccl", "rollout.num_gpus_per_worker=1"],
+        )
+
+
+def _needs_two_gpus():
+    if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
+        pytest.skip("a GPU push needs two GPUs: learner rank 0's and the vLLM rollout worker's")
+    pytest.importorskip("vllm")
+
+
+@pytest.mark.gpu
+def test_gpu_pushes_go_through_vllms_weight_transfer_engine(ray_session):
+    """Learner rank 0 (GPU) pushes by NCCL into a vLLM rollout worker's draft model (GPU): the engine drafts with
+    what was pushed (its records equal the native engine's with the learner's weights), and the rollout actor
+    itself never opened a CUDA context."""
+    from draftopd.config import DrafterConfig
+    from draftopd.drafters import family
+    from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
+    from draftopd.loading import ASSETS, load_target
+    from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.opd.rollout import RolloutWorker
+    from draftopd.opd.runtime import RayRuntime
+    from draftopd.opd.weight_sync import CollectiveSync
+    from draftopd.sft.trainer import SFTExample
+    from draftopd.vllm_backend.rollout import VllmOptions
+
+    _needs_two_gpus()
+    aux, k = [1, 2, 3], 4
+    spec = LearnerSpec("toy", aux, "float32", DrafterConfig(kind="eagle3"), str(ASSETS / "toy-eagle3"))
+    learner = ray_session.remote(DraftLearner).options(num_cpus=0.5, num_gpus=1).remote(spec, 0, 1, "127.0.0.1", 0)
+    ray_session.get(learner.setup.remote(2, ray_session.get(learner.free_port.remote())))
+    options = VllmOptions("float32", memory_fraction=0.3, num_draft_tokens=k)
+    worker = (
+        ray_session.remote(RolloutWorker)
+        .options(num_cpus=0.5, num_gpus=1)
+        .remote("toy", aux, "float32", [1], 1, 0, "vllm", options)
+    )
+    sync = CollectiveSync(RayRuntime(), "vllm", timeout_s=300)
+    config = ray_session.get(learner.drafter_config.remote())
+    ray_session.get(
+        learner.sft_step.remote([SFTExample(list(range(3, 40)), 3)], 2, 0.8, 64, 0.05)
+    )  # not the shipped one
+    update = sync.publish([learner], [worker], config, 1)
+
+    prompts, greedy = [[3, 4, 5, 6], [7, 8, 9]], SamplingConfig(24, 0.0, k)
+    got = ray_session.get(worker.generate.remote(prompts, [0, 1], greedy, update, 2))
+    target = load_target("toy", aux, "float32")
+    pushed = family("eagle3").from_state(config, ray_session.get(learner.weights.remote()), target)
+    want = SpeculativeEngine(target, pushed.eval(), [1]).generate(prompts, greedy, policy_version=1)
+    assert [t.output_ids for t in got] == [t.output_ids for t in want]
+    for g, w in zip(got, want):
+        assert [s.draft_tokens for s in g.steps] == [s.draft_tokens for s in w.steps]
+        assert torch.allclose(
+            torch.tensor([p for s in g.steps for p in s.draft_logprobs]),
+            torch.tensor([p for s in w.steps for p in s.draft_logprobs]),
+            atol=1e-3,
+        )
+    assert not ray_session.get(worker.__ray_call__.remote(lambda self: torch.cuda.is_initialized()))
+    for actor in (learner, worker):
+        ray_session.kill(actor)

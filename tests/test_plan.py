@@ -22,6 +22,7 @@ from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, tar
 from draftopd.plan import (
     ASSUMED_TAU,
     _optimizer_parts,
+    check_before_train,
     loss_saved_bytes,
     make_plan,
     refusal,
@@ -196,6 +197,7 @@ def test_the_old_qwen3_8b_layout_is_refused_with_the_knob_to_turn(capsys):
 @pytest.mark.parametrize("recipe", TOY_RECIPES, ids=lambda p: p.stem)
 def test_toy_recipes_are_never_refused(recipe):
     cfg = load_config(recipe)
+    check_before_train(cfg, str(recipe))  # what `draftopd train` runs first: no ConfigError
     try:
         plan = make_plan(cfg, str(recipe))
     except PlanError:  # a family the planner does not model: train goes ahead

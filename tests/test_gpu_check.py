@@ -1,42 +1,82 @@
 """The device check (scripts/gpu-check) runs on the device machine's package set, and its checks can fail.
 
-The device machine has torch and transformers but no Ray, DeepSpeed, MLflow, OmegaConf, vLLM, pyarrow,
-datasets, pandas or matplotlib. The test runs the check's quick CPU mode in a Python that lacks exactly
-those: site-packages is replaced by a folder of links to everything else in it (`python -S`), so they are
-absent the way an uninstalled package is (no module, no metadata), not merely refused on import.
+The device machine has torch and transformers, and nothing of this project's other dependencies (no Ray,
+DeepSpeed, MLflow, OmegaConf, vLLM, pyarrow, datasets, pandas, matplotlib). The test runs the check's quick
+CPU mode in a Python that has only torch, transformers and what they require: site-packages is replaced by a
+folder of links to those distributions (`python -S`), so everything else is absent the way an uninstalled
+package is (no module, no metadata), not merely refused on import.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-ABSENT = ("ray", "deepspeed", "mlflow", "omegaconf", "antlr4", "vllm", "pyarrow", "datasets", "pandas", "matplotlib")
+ABSENT = (
+    "ray",
+    "deepspeed",
+    "mlflow",
+    "omegaconf",
+    "vllm",
+    "pyarrow",
+    "datasets",
+    "pandas",
+    "matplotlib",
+    "scipy",
+    "sklearn",
+)
 SHIPPED_DRAFTERS = sorted(p.name for p in (ROOT / "draftopd" / "assets").iterdir() if p.name.startswith("toy-eagle3"))
 
 
-def _site_packages_without(absent: tuple[str, ...], into: Path) -> Path:
-    """A folder of links to this environment's site-packages entries, less the `absent` distributions."""
-    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _required_closure(roots: list[str]) -> set[str]:
+    """The installed distributions `roots` need, transitively (requirements without extras)."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = _canon(todo.pop())
+        if name in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def _site_packages_of(roots: list[str], into: Path) -> Path:
+    """A folder of links to the site-packages entries of `roots` and their requirements, and nothing else."""
+    dists = _required_closure(roots)
+    modules = {m for m, ds in metadata.packages_distributions().items() if any(_canon(d) in dists for d in ds)}
+    site = Path(metadata.distribution("torch").locate_file(""))
     into.mkdir()
     for entry in site.iterdir():
-        name = entry.name.split("-")[0].split(".")[0].lower()
-        if name.startswith(absent) or entry.suffix == ".pth":
-            continue
-        (into / entry.name).symlink_to(entry)
+        is_meta = entry.name.endswith((".dist-info", ".egg-info"))
+        if _canon(entry.name.split("-")[0]) in dists if is_meta else entry.name.split(".")[0] in modules:
+            (into / entry.name).symlink_to(entry)
     return into
 
 
 def _python(tmp_path: Path) -> tuple[list[str], dict]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{_site_packages_without(ABSENT, tmp_path / 'site')}"}
-    return [sys.executable, "-S"], env
+    site = _site_packages_of(["torch", "transformers"], tmp_path / "site")
+    return [sys.executable, "-S"], {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
 
 
-def test_the_restricted_python_lacks_the_absent_packages(tmp_path):
+def test_the_restricted_python_has_torch_and_transformers_alone(tmp_path):
     python, env = _python(tmp_path)
     probe = f"import importlib.util as u; print([n for n in {ABSENT!r} if u.find_spec(n)]); import torch, transformers"
     out = subprocess.run([*python, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
@@ -44,7 +84,7 @@ def test_the_restricted_python_lacks_the_absent_packages(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
-def test_quick_check_passes_without_ray_deepspeed_mlflow_omegaconf(tmp_path):
+def test_quick_check_passes_with_torch_and_transformers_alone(tmp_path):
     python, env = _python(tmp_path)
     report = tmp_path / "gpu-check.json"
     cmd = [*python, str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--quick", "--threads", "1"]

@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,23 @@ def test_a_different_output_is_reported_with_the_targets_margin():
     assert got["position"] == 1 and got["target_token"] == 40 and got["spec_token"] == 41
     assert isinstance(got["target_margin"], float)
     assert _first_mismatch(target, [prompt], [ref], [ref[:2]], "cpu")["spec_len"] == 2
+
+
+def test_a_lossy_verification_rule_fails_the_identity_check(monkeypatch):
+    """With a rule that keeps every draft (lossy), the check reports a mismatch: it can fail."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_identity as gci
+
+    from draftopd.engine import speculative
+
+    def keep_every_draft(drafts, target_logits):
+        return torch.full((drafts.shape[0],), drafts.shape[1]), target_logits[:, -1].argmax(-1)
+
+    monkeypatch.setattr(speculative, "greedy_verify", keep_every_draft)
+    torch.set_num_threads(1)
+    case = [c for c in gci.drafter_cases() if c.name == "toy-eagle3"]
+    checks = gci.check_dtype("float32", gci.toy_prompts(2, arithmetic_only=True), 24, "cpu", 2, case)
+    assert not checks[1]["identical"] and checks[1]["first_mismatch"]["position"] >= 0
 
 
 def test_the_tracked_tree_travels_to_the_device_machine():

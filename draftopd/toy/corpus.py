@@ -18,6 +18,7 @@ never overlaps training.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import random
@@ -160,13 +161,28 @@ def code_samples(max_lines: int = 40) -> Iterator[Sample]:
 
 
 def build_corpus(num_arithmetic: int, seed: int = 0) -> tuple[list[Sample], list[Sample]]:
-    """All code samples plus `num_arithmetic` arithmetic ones, split into (train, held_out)."""
+    """All code samples plus `num_arithmetic` arithmetic ones, split into (train, held_out).
+
+    Built once per process and arguments (parsing the stdlib takes seconds, and a run asks for its training
+    prompts, its held-out prompts and their domains); each call gets lists of its own to shuffle."""
+    train, held = _corpus(num_arithmetic, seed)
+    return list(train), list(held)
+
+
+@functools.lru_cache(maxsize=8)
+def _corpus(num_arithmetic: int, seed: int) -> tuple[tuple[Sample, ...], tuple[Sample, ...]]:
     rng = random.Random(seed)
-    samples = list(code_samples()) + [arithmetic_sample(rng) for _ in range(num_arithmetic)]
+    samples = list(_stdlib_code()) + [arithmetic_sample(rng) for _ in range(num_arithmetic)]
     train = [s for s in samples if not is_held_out(s.key)]
     seen = {json.dumps(prompt_only(s)) for s in train}  # only the held-out side loses duplicates
     held = [s for s in samples if is_held_out(s.key) and json.dumps(prompt_only(s)) not in seen]
-    return train, held
+    return tuple(train), tuple(held)
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_code() -> tuple[Sample, ...]:
+    """The code samples, parsed once per process: every seed's corpus shares them."""
+    return tuple(code_samples())
 
 
 def prompt_only(sample: Sample) -> list[dict[str, str]]:

@@ -33,7 +33,7 @@ def test_trajectory_unit_replays_every_step_of_each_trajectory(rollouts):
     by_state = build_replay_batch(every, _t2d(target, drafter), 4, 0.8, 512, unit="state")
     single = build_replay_batch(one_each, _t2d(target, drafter), 4, 0.8, 512, unit="state")
     assert whole.num_steps == sum(len(t.steps) for t in trajs) == by_state.num_steps > single.num_steps
-    for name in ("depth_tokens", "acc_weight", "rej_weight", "rej_target_logp"):
+    for name in ("depth_tokens", "acc_weight", "rej_weight", "rej_target_logp", "rej_target_logp_draft"):
         assert torch.equal(getattr(whole, name), getattr(by_state, name)), name
 
 

@@ -205,14 +205,16 @@ def drafter_shape(cfg, target: TargetShape) -> DrafterShape:
     """The drafter a run builds (`drafter.init`'s config.json when set, else the recipe's drafter section)."""
     d = cfg.drafter
     if d.init:
-        from draftopd.drafters.eagle3 import Eagle3Config
+        from draftopd.drafters import family, read_raw
         from draftopd.loading import resolve_drafter_path
 
-        raw = json.loads((Path(resolve_drafter_path(d.init)) / "config.json").read_text())
-        e = Eagle3Config.from_hf(raw)
+        kind, raw = read_raw(resolve_drafter_path(d.init), "eagle3")
+        e = family(kind).read_config(raw)  # this project's layout, whatever the checkpoint's
+        heads = e["num_attention_heads"]
         return DrafterShape(
-            e.hidden_size, e.intermediate_size, e.num_attention_heads, e.num_key_value_heads, e.head_dim,
-            e.vocab_size, e.draft_vocab_size, e.target_hidden_size, len(e.aux_layer_ids) or 3,
+            e["hidden_size"], e["intermediate_size"], heads, e.get("num_key_value_heads") or heads,
+            e.get("head_dim") or e["hidden_size"] // heads, e["vocab_size"], e.get("draft_vocab_size") or e["vocab_size"],
+            e.get("target_hidden_size") or e["hidden_size"], len(e.get("eagle_aux_hidden_state_layer_ids") or []) or 3,
         )  # fmt: skip
     hidden = d.hidden_size or target.hidden
     return DrafterShape(

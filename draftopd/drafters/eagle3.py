@@ -33,7 +33,7 @@ from torch import nn
 from draftopd.drafters.base import Pick
 from draftopd.drafters.eagle3_formats import FORMATS, export_state, import_state, read_config
 from draftopd.drafters.eagle3_layers import ROPE_TYPES, MidLayer
-from draftopd.drafters.ttt_attention import dense_mask, dense_ttt_attention, diagonal_mass, ttt_attention
+from draftopd.drafters.ttt_attention import dense_mask, dense_ttt_attention, ttt_attention
 from draftopd.models.layers import RMSNorm, at_least_fp32, attend_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -257,9 +257,9 @@ class Eagle3Drafter(nn.Module):
         state = self.fuse(aux[:, :n])
         pos = torch.arange(n, device=input_ids.device).expand(b, n)
         if attention == "chunked":
-            attend, valid, repeat = ttt_attention, key_valid[:, :n], False
+            attend, valid = ttt_attention, key_valid[:, :n]
         elif attention == "dense":
-            attend, valid, repeat = dense_ttt_attention, dense_mask(key_valid[:, :n]), True
+            attend, valid = dense_ttt_attention, dense_mask(key_valid[:, :n])
         else:
             raise ValueError(f"TTT attention '{attention}' is not one of: chunked, dense")
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
@@ -270,15 +270,14 @@ class Eagle3Drafter(nn.Module):
             else:
                 tokens = torch.roll(input_ids, shifts=-(1 + d), dims=1)[:, :n]  # token_{t+1+d}; tail rows unused
             x, residual = self._attn_input(tokens, state)
-            q, k, v = attn.qkv(x, pos + d, repeat_kv=repeat)
+            q, k, v = attn.qkv(x, pos + d)
             ks.append(k)
             vs.append(v)
-            o, lse = attend(q, ks, vs, valid, scale)
+            o, own = attend(q, ks, vs, valid, scale)
             logits, state = self._finish(attn.out(o), residual)
             outs.append(logits)
             if trace is not None:
-                own = diagonal_mass(q, ks, lse, scale).mean(1)
-                trace.append({"own_mass": own.detach(), "state_norm": state.norm(dim=-1).detach()})
+                trace.append({"own_mass": own.mean(1), "state_norm": state.norm(dim=-1).detach()})
         return outs
 
     # ---- the family interface (drafters/base.py) ------------------------------

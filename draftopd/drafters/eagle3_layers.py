@@ -102,8 +102,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.rotary = Rotary(hd, cfg.rope_theta, cfg.rope_scaling)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, repeat_kv: bool = True):
-        """Rotated q [B, nh, T, D] and k, v [B, nh, T, D] (kv heads repeated for GQA; [B, nkv, T, D] without)."""
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """Rotated q [B, nh, T, D] and k, v [B, nh, T, D] (kv heads repeated for GQA)."""
         b, t, _ = x.shape
         hd, nh, nkv = self.cfg.head_dim, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
         q = self.q_proj(x).view(b, t, nh, hd)
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, nkv, hd).transpose(1, 2)
         cos, sin = self.rotary(positions, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if nkv != nh and repeat_kv:
+        if nkv != nh:
             k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         return q, k, v
 

@@ -2,18 +2,22 @@
 
 At TTT depth d, query row t attends to the depth-0 keys of rows <= t that are valid, and to its own row's keys of
 depths 1..d (always valid): what a chain of drafts started after token t+1 sees at inference. Materialising the
-[B, H, T, T + d] scores at every depth and keeping them for backward made training memory quadratic in T (8.1x
-the saved bytes for 4x the tokens at depth 7; about 43 GiB per sequence at the qwen3-8b drafter's 4,608 tokens).
+[B, H, T, T + d] scores at every depth and keeping them for backward made training memory quadratic in T (8.5x
+the saved bytes for 4x the tokens at depth 7; 43 GiB per sequence at the qwen3-8b drafter's 4,608 tokens).
 
 `ttt_attention` computes the same numbers query chunk by query chunk, each chunk against the causal keys it can
-see (keys after its last row are skipped), and keeps for backward only q, the keys and values (which later depths
-reuse, so they are stored once) and each row's log-sum-exp; backward recomputes each chunk's probabilities from
-them, as flash attention does, in plain torch so that it runs the same on CPU and CUDA. `dense_ttt_attention` is
-the former computation, kept as the reference the tests compare against.
+see (keys after its last row are skipped), and keeps for backward only q and the keys and values, which later
+depths reuse, so that they are stored once; backward recomputes each chunk's scores and softmax (flash
+attention's trade, in plain torch so that it runs the same on CPU and CUDA). Within a chunk the operations are
+the dense ones, in the order autograd ran them, so with one chunk (the toy and mid sizes) and kv heads given
+repeated, as the drafter does, logits and gradients are the former ones bit for bit and SFT reproduces exactly.
+Grouped kv heads ([B, Hkv, T, Dh]) are computed too and would save another 5% at qwen3-8b, at the cost of
+summing each kv head's gradient in another order. `dense_ttt_attention` is the former computation, kept as the
+reference the tests compare against.
 
 Shapes: q [B, H, T, Dh]; `keys`/`values` lists of 1 + d tensors [B, Hkv, T, Dh] (H a multiple of Hkv: head h
-reads kv head h // (H / Hkv), as `repeat_interleave` pairs them); `key_valid` [B, T]; the log-sum-exp [B, H, T]
-in float32 (float64 for float64 inputs); a row with no key at all (depth 0, no valid key) outputs zeros.
+reads kv head h // (H / Hkv), as `repeat_interleave` pairs them); `key_valid` [B, T]. A row with no key at all
+(depth 0, no valid key) outputs zeros and passes no gradient, as the dense path's `nan_to_num` made it.
 """
 
 from __future__ import annotations
@@ -28,20 +32,13 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 def ttt_attention(q, keys, values, key_valid, scale: float, chunk: int = 0):
-    """(out [B, H, T, Dh] in q's dtype, log-sum-exp [B, H, T], not differentiable); `chunk` 0: sized by memory."""
+    """(out [B, H, T, Dh] in q's dtype, own mass [B, H, T]); `chunk` 0: rows per chunk sized by memory.
+
+    The own mass is the attention each row puts on its depth-1..d keys (the drafter's own drafts), detached.
+    """
     b, h, n, _ = q.shape
     chunk = chunk or _chunk_rows(b, h, n)
     return _TTTAttention.apply(key_valid, scale, chunk, len(keys), q, *keys, *values)
-
-
-def diagonal_mass(q, keys, lse, scale: float) -> torch.Tensor:
-    """Attention mass each row puts on its own depth-1..d keys (the drafter's own drafts), [B, H, T], detached."""
-    with torch.no_grad():
-        if len(keys) == 1:
-            return torch.zeros_like(lse)
-        q5 = _grouped(q, keys[0].shape[1])
-        diag = torch.stack([_diag_scores(q5, k, scale) for k in keys[1:]], -1).to(lse.dtype)
-        return torch.exp(diag - lse.view(diag.shape[:-1])[..., None]).sum(-1).reshape(lse.shape)
 
 
 def dense_mask(key_valid: torch.Tensor) -> torch.Tensor:
@@ -66,7 +63,8 @@ def dense_ttt_attention(q, keys, values, mask, scale: float):
     o = probs[..., :n] @ values[0]
     for e in range(1, len(keys)):
         o = o + probs[..., n + e - 1 : n + e] * values[e]
-    return o, torch.logsumexp(wide.detach(), dim=-1)
+    own = probs[..., n:].sum(-1) if len(keys) > 1 else torch.zeros_like(probs[..., 0])
+    return o, own.detach()
 
 
 def _chunk_rows(b: int, h: int, n: int) -> int:
@@ -107,7 +105,12 @@ def _chunk_mask(key_valid: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
 
 
 class _TTTAttention(torch.autograd.Function):
-    """Chunked exact attention over causal depth-0 keys plus per-row diagonal keys; backward recomputes."""
+    """Chunked exact attention over causal depth-0 keys plus per-row diagonal keys; backward recomputes.
+
+    Each chunk's forward and backward are the dense path's operations on the chunk's rows (the same softmax, its
+    backward, the same casts and scalings), so that with one chunk and kv heads given repeated the numbers are the
+    dense path's bit for bit.
+    """
 
     @staticmethod
     def forward(ctx, key_valid, scale, chunk, num_keys, q, *kv):
@@ -115,58 +118,59 @@ class _TTTAttention(torch.autograd.Function):
         b, h, n, dh = q.shape
         hk, acc = keys[0].shape[1], at_least_fp32(q.dtype)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(b, hk, h // hk, n, dtype=acc, device=q.device)
+        own = torch.zeros(b, hk, h // hk, n, dtype=q.dtype, device=q.device)
         for i0 in range(0, n, chunk):
             i1 = min(n, i0 + chunk)
             q5 = _grouped(q[:, :, i0:i1], hk)
             scores = _chunk_scores(q5, keys, _chunk_mask(key_valid, i0, i1), i0, i1, scale).to(acc)
             probs = torch.softmax(scores, dim=-1).to(q.dtype).nan_to_num(0.0)
-            lse[..., i0:i1] = torch.logsumexp(scores, dim=-1)
             o = (probs[..., :i1].reshape(b, hk, -1, i1) @ values[0][:, :, :i1]).view(q5.shape)
             for e in range(1, num_keys):
                 o = o + probs[..., i1 + e - 1 : i1 + e] * values[e][:, :, None, i0:i1]
             out[:, :, i0:i1] = o.reshape(b, h, i1 - i0, dh)
-        lse = lse.view(b, h, n)
-        ctx.save_for_backward(key_valid, q, lse, *kv)
+            if num_keys > 1:
+                own[..., i0:i1] = probs[..., i1:].sum(-1)
+        ctx.save_for_backward(key_valid, q, *kv)
         ctx.scale, ctx.chunk, ctx.num_keys = scale, chunk, num_keys
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        own = own.view(b, h, n)
+        ctx.mark_non_differentiable(own)
+        return out, own
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        key_valid, q, lse, *kv = ctx.saved_tensors
+    def backward(ctx, grad_out, _grad_own):
+        key_valid, q, *kv = ctx.saved_tensors
         scale, chunk, num_keys = ctx.scale, ctx.chunk, ctx.num_keys
         keys, values = kv[:num_keys], kv[num_keys:]
         b, h, n, dh = q.shape
         hk, acc = keys[0].shape[1], at_least_fp32(q.dtype)
-        # a row with no key at all has lse -inf and zero probabilities: +inf makes exp(s - lse) 0 there
-        lse = torch.where(torch.isfinite(lse), lse, torch.inf).view(b, hk, h // hk, n)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dkv = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in kv]
         dk, dv = dkv[:num_keys], dkv[num_keys:]
         for i0 in range(0, n, chunk):
             i1 = min(n, i0 + chunk)
-            c = i1 - i0
+            mask = _chunk_mask(key_valid, i0, i1)
             q5, do5 = _grouped(q[:, :, i0:i1], hk), _grouped(grad_out[:, :, i0:i1], hk)
-            scores = _chunk_scores(q5, keys, _chunk_mask(key_valid, i0, i1), i0, i1, scale).to(acc)
-            probs = torch.exp(scores - lse[..., i0:i1, None])
-            p0 = probs[..., :i1].to(q.dtype).reshape(b, hk, -1, i1)
-            do4 = do5.reshape(b, hk, -1, dh)
-            dp = (do4 @ values[0][:, :, :i1].transpose(-1, -2)).view(*q5.shape[:-1], i1)
-            if num_keys > 1:
-                diag = [(do5 * v[:, :, None, i0:i1]).sum(-1) for v in values[1:]]
-                dp = torch.cat([dp.to(acc), torch.stack(diag, -1).to(acc)], dim=-1)
-            dp = dp.to(acc)
-            ds = probs * (dp - (probs * dp).sum(-1, keepdim=True)) * scale
-            ds0 = ds[..., :i1].to(q.dtype).reshape(b, hk, -1, i1)
-            dq5 = (ds0 @ keys[0][:, :, :i1]).view(q5.shape)
-            dk[0][:, :, :i1] += ds0.transpose(-1, -2) @ q5.reshape(b, hk, -1, dh)
-            dv[0][:, :, :i1] += p0.transpose(-1, -2) @ do4
-            for e in range(1, num_keys):
-                de = ds[..., i1 + e - 1 : i1 + e].to(q.dtype)
-                dq5 = dq5 + de * keys[e][:, :, None, i0:i1]
+            scores = _chunk_scores(q5, keys, mask, i0, i1, scale).to(acc)
+            probs = torch.softmax(scores, dim=-1)
+            p = probs.to(q.dtype)
+            # gradient w.r.t. the probabilities the forward multiplied the values with
+            dp = (do5.reshape(b, hk, -1, dh) @ values[0][:, :, :i1].transpose(-1, -2)).view(*q5.shape[:-1], i1)
+            diag = [(do5 * v[:, :, None, i0:i1]).sum(-1, keepdim=True) for v in values[1:]]
+            dp = torch.cat([dp, *diag], dim=-1) * p.isfinite()  # nan_to_num's backward: rows without keys get 0
+            ds = torch._softmax_backward_data(dp.to(acc), probs, -1, acc).to(q.dtype)
+            ds0 = ds[..., :i1].masked_fill(~mask[:, None, None], 0.0) * scale
+            p0 = p[..., :i1].nan_to_num(0.0)
+            dq5 = None
+            dk[0][:, :, :i1] += (ds0.transpose(-1, -2) @ q5).sum(2)
+            dv[0][:, :, :i1] += (p0.transpose(-1, -2) @ do5).sum(2)
+            for e in reversed(range(1, num_keys)):
+                de = ds[..., i1 + e - 1 : i1 + e] * scale
+                dq_e = de * keys[e][:, :, None, i0:i1]
+                dq5 = dq_e if dq5 is None else dq5 + dq_e
                 dk[e][:, :, i0:i1] += (de * q5).sum(2)
-                dv[e][:, :, i0:i1] += (probs[..., i1 + e - 1 : i1 + e].to(q.dtype) * do5).sum(2)
-            dq[:, :, i0:i1] = dq5.reshape(b, h, c, dh)
+                dv[e][:, :, i0:i1] += (p[..., i1 + e - 1 : i1 + e] * do5).sum(2)
+            dq_0 = (ds0.reshape(b, hk, -1, i1) @ keys[0][:, :, :i1]).view(q5.shape)
+            dq5 = dq_0 if dq5 is None else dq5 + dq_0
+            dq[:, :, i0:i1] = dq5.reshape(b, h, i1 - i0, dh)
         grads = [g.to(x.dtype) for g, x in zip(dkv, kv)]
         return None, None, None, None, dq, *grads

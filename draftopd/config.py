@@ -459,6 +459,10 @@ def _check_choices(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    rollout_k, eval_ks = cfg.rollout.num_draft_tokens, cfg.eval.num_draft_tokens
+    if rollout_k < 1 or any(k < 1 for k in eval_ks):  # K = 0 decodes without the drafter, K < 0 fails in a proposer
+        key, value = ("rollout.num_draft_tokens", rollout_k) if rollout_k < 1 else ("eval.num_draft_tokens", eval_ks)
+        raise ConfigError(f"{key}={value}: K, the drafts per step, must be at least 1")
     # Pushes into vLLM's DFlash drafter were measured broken on CPU (the hook's reload); on GPUs (sync.backend=nccl)
     # they go through vLLM's weight-transfer engine in one load_weights call, after which DFlash rebuilds its fused
     # context K/V weights (vllm_backend/transfer.py).

@@ -19,6 +19,11 @@ class LoadError(ValueError):
 
 def resolve_target_path(path: str) -> Path:
     p = ASSETS / "toy-target" if path == TOY_TARGET else Path(path)
+    if not p.exists():  # a hub name (Qwen/Qwen3-8B) lands here too: targets are read from disk, never downloaded
+        raise LoadError(
+            f"target {path}: no such directory (a target is read from a local copy, never downloaded: "
+            f"`hf download NAME --local-dir DIR`, then pass DIR)"
+        )
     if not (p / "config.json").is_file():
         raise LoadError(f"target {path}: no config.json in {p}")
     return p

@@ -150,13 +150,47 @@ def new_drafter(cfg, target, draft_to_target: torch.Tensor):
 
 
 def export_drafter(src: str | Path, fmt: str, out: str | Path, verifier: str = "", num_draft_tokens: int = 4) -> Path:
-    """`src` (any layout its family reads) written to `out` in the serving layout `fmt`, weights in their dtype."""
+    """`src` (any layout its family reads) written to `out` in the serving layout `fmt`, weights in their dtype,
+    readable by all (0644): the serving engine often runs as another user than the one who exported."""
     found, raw = read_raw(src)
+    if fmt not in family(found).formats:
+        raise LoadError(f"drafter {src}: {format_refusal(found, fmt)}")
     try:
         config, tensors = family(found).export(raw, read_tensors(src), fmt, verifier, num_draft_tokens)
     except ValueError as exc:
         raise LoadError(f"drafter {src}: {exc}") from None
-    return write_checkpoint(config, tensors, out)
+    path = write_checkpoint(config, tensors, out)
+    for name in ("config.json", "model.safetensors"):
+        (path / name).chmod(0o644)
+    return path
+
+
+def format_refusal(kind: str, fmt: str) -> str:
+    """One line: the family, and the serving formats it has (none yet, for some)."""
+    formats = family(kind).formats
+    if not formats:
+        return f"a '{kind}' drafter has no serving format yet (asked for '{fmt}')"
+    return f"a '{kind}' drafter exports to {', '.join(formats)} only, not '{fmt}'"
+
+
+def serving_command(kind: str, fmt: str, target: str, out: str | Path, num_draft_tokens: int) -> str:
+    """The shell command that serves `out` (written by `export_drafter` in `fmt`) beside `target`: vLLM with the
+    family's own `speculative_config`; a speculators directory names its verifier, so vLLM takes it alone; the
+    sglang layout is EAGLE-3's, served as a chain (top-k 1) of K drafts, K + 1 tokens verified per step."""
+    import shlex
+
+    model = str(Path(out).resolve())
+    if fmt == "speculators":
+        return shlex.join(["vllm", "serve", model])
+    if fmt == "sglang":
+        k = str(num_draft_tokens)
+        return shlex.join(
+            ["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3"]
+            + ["--speculative-draft-model-path", model, "--speculative-num-steps", k, "--speculative-eagle-topk", "1"]
+            + ["--speculative-num-draft-tokens", str(num_draft_tokens + 1)]
+        )
+    spec = family(kind).speculative_config(model, num_draft_tokens)
+    return shlex.join(["vllm", "serve", target, "--speculative-config", json.dumps(spec)])
 
 
 def inspect_checkpoint(path: str | Path, target=None) -> list[str]:

@@ -16,10 +16,22 @@ import torch
 from draftopd.sft.trainer import SFTExample, collate
 
 
+class DiagnoseError(ValueError):
+    """A drafter this diagnosis does not apply to (the command line prints it as one line)."""
+
+
+def check_diagnosable(name: str, drafter) -> None:
+    """Drift is read off the attention of a chain that feeds its own states forward: EAGLE-3's alone."""
+    if drafter.kind != "eagle3":
+        raise DiagnoseError(
+            f"drafter {name} is a '{drafter.kind}' drafter; attention drift is measured along EAGLE-3 chains only "
+            "(families diagnose supports: eagle3)"
+        )
+
+
 def drift_profile(target, drafter, examples: list[SFTExample], depth: int, max_len: int = 512) -> dict:
     """Per depth: mean attention mass on own drafts, on the target's context, and the fed-forward state norm."""
-    if drafter.kind != "eagle3":
-        raise ValueError(f"attention drift is measured along EAGLE-3 chains; this is a '{drafter.kind}' drafter")
+    check_diagnosable(drafter.kind, drafter)
     batch = collate(examples, max_len)
     n = batch.input_ids.shape[1]
     with torch.no_grad():

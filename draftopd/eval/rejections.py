@@ -41,6 +41,11 @@ def read_run_buffer(run_dir: str | Path) -> tuple[Path, dict, dict]:
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"{run} is not a run directory (no config.yaml)")
     ckpt = latest_checkpoint(run)
+    if ckpt is None and (run / "checkpoints" / "final").is_dir():
+        raise FileNotFoundError(
+            f"{run} holds no Draft-OPD replay buffer: it is an SFT run (its drafter is in checkpoints/final), and "
+            "rejections reads the buffer a Draft-OPD run (opd.enabled=true) saves with each checkpoint"
+        )
     if ckpt is None:
         raise FileNotFoundError(
             f"{run} has no saved replay buffer: no checkpoint yet (an SFT-only run, or a Draft-OPD run stopped "

@@ -1,0 +1,400 @@
+"""`draftopd bench NAME`: one subcommand per benchmark, each with its own flags and its own defaults.
+
+opd-vs-sft: Draft-OPD vs more SFT as a paired, seeded experiment with a control arm; sft-plateau: SFT until
+held-out tau stops improving; engines: the native engine vs Hugging Face generate (plain and prompt-lookup
+assisted); rollout: rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native
+engine; families: drafter families side by side (tau, tau per drafter pass, parameters, FLOPs, tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftopd.cli.common import HelpFormatter, add_command, at_least_one, write_json
+
+
+def register(sub) -> None:
+    p = add_command(sub, "bench", None, "benchmarks: opd-vs-sft, sft-plateau, engines, rollout, families")
+    benches = p.add_subparsers(dest="which", required=True, metavar="BENCH")
+    _opd_vs_sft_args(
+        _bench(benches, "opd-vs-sft", _bench_opd_vs_sft, "Draft-OPD vs more SFT: paired seeds, a control arm")
+    )
+    _sft_plateau_args(_bench(benches, "sft-plateau", _bench_sft_plateau, "SFT until held-out tau stops improving"))
+    _engines_args(
+        _bench(benches, "engines", _bench_engines, "the native engine vs Hugging Face generate (plain, prompt lookup)")
+    )
+    _rollout_args(
+        _bench(benches, "rollout", _bench_rollout, "rollout tokens/s: the vLLM backend's hook vs stock vLLM, native")
+    )
+    _families_args(_bench(benches, "families", _bench_families, "drafter families side by side: tau, FLOPs, tokens/s"))
+
+
+def _bench(benches, name: str, handler, summary: str) -> argparse.ArgumentParser:
+    p = benches.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+    p.set_defaults(handler=handler)
+    return p
+
+
+def _common(p: argparse.ArgumentParser, drafter: str, max_new_tokens: int) -> None:
+    """The flags every bench reads: the models, K, the token budget."""
+    p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
+    p.add_argument("--drafter", default=drafter, help="starting drafter: a directory, `toy` or `toy-plateau`")
+    p.add_argument("--aux-layer-ids", type=int, nargs="*", default=[1, 2, 3], help="target layers the drafter reads")
+    p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per step")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="token budget per prompt")
+
+
+def _opd_vs_sft_args(p: argparse.ArgumentParser) -> None:
+    _common(p, "toy-plateau", 96)
+    p.add_argument("--out", required=True, help="a directory for report.json, plots and an MLflow store")
+    p.add_argument("--arms", nargs="+", default=None, help="arms (default: the baselines, opd, control, ref.)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="paired seeds")
+    p.add_argument("--seed", type=int, default=0, help="prompt draws and torch seed")
+    p.add_argument("--num-train-prompts", type=int, default=64, help="training prompts")
+    p.add_argument("--num-eval-prompts", type=int, default=32, help="held-out prompts per set")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per arm")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate")
+    p.add_argument("--eval-ks", type=int, nargs="+", default=[4, 7], help="K of the final held-out taus")
+    p.add_argument(
+        "--depth", type=int, default=None, help="training depth, drafts scored per row (default: --num-draft-tokens)"
+    )
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight of depth d is decay**d")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
+    p.add_argument("--rollout-temperature", type=float, default=0.0, help="Draft-OPD rollouts")
+    p.add_argument("--pool-temperature", type=float, default=0.5, help="the offline pool's sampling temperature")
+    p.add_argument("--learner", nargs="*", default=[], help="learner overrides FIELD=VALUE (all OPD arms)")
+
+
+def _sft_plateau_args(p: argparse.ArgumentParser) -> None:
+    _common(p, None, 96)
+    p.set_defaults(drafter=None)  # none: a fresh EAGLE-3 drafter
+    p.add_argument("--out", required=True, help="a directory for report.json, plots, an MLflow store, the drafter")
+    p.add_argument("--seed", type=int, default=0, help="prompt draws and sampling seed")
+    p.add_argument("--num-train-prompts", type=int, default=800, help="training prompts")
+    p.add_argument("--num-eval-prompts", type=int, default=32, help="held-out prompts")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps, at most")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--depth", type=int, default=7, help="training depth, drafts scored per row")
+    p.add_argument("--decay", type=float, default=0.8, help="loss weight of depth d is decay**d")
+    p.add_argument(
+        "--num-anchors",
+        type=int,
+        default=0,
+        help="rows scored per sequence, drawn afresh each step (DFlash's random anchors); 0: every row",
+    )
+    p.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
+    p.add_argument("--pool-temperature", type=float, default=0.5, help="the offline pool's sampling temperature")
+
+
+def _engines_args(p: argparse.ArgumentParser) -> None:
+    _common(p, "toy", 128)
+    p.add_argument("--json", required=True, help="the report's path")
+    p.add_argument("--seed", type=int, default=0, help="held-out prompt draw")
+    p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="drafts of prompt lookup")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python with vllm (and draftopd) installed; adds stock vLLM arms, alone and with EAGLE-3",
+    )
+
+
+def _rollout_args(p: argparse.ArgumentParser) -> None:
+    _common(p, "toy", 128)
+    p.add_argument("--json", required=True, help="the report's path")
+    p.add_argument("--seed", type=int, default=0, help="rollout prompt draw")
+    p.add_argument("--num-train-prompts", type=int, default=64, help="rollout prompts")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+
+
+def _families_args(p: argparse.ArgumentParser) -> None:
+    _common(p, None, 96)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="held-out draws")
+    p.add_argument("--num-eval-prompts", type=int, default=32, help="held-out prompts per draw")
+    p.add_argument(
+        "--drafters",
+        nargs="*",
+        default=[],
+        metavar="NAME=DIR",
+        help="drafters compared beside the shipped toy EAGLE-3 drafter (or --drafter); DIR0,DIR1,...:"
+        " one drafter per seed (independently trained), drafter i on held-out draw i",
+    )
+    p.add_argument(
+        "--pairs",
+        nargs="*",
+        default=[],
+        metavar="ARM/BASE",
+        help="arms to pair seed by seed (tau ratio with a 95%% t-interval), beside the automatic pairs",
+    )
+    p.add_argument(
+        "--no-naive-resample",
+        action="store_true",
+        help="leave out the arm that re-drafts a D²SD drafter's VP rows with its first drafter",
+    )
+    p.add_argument("--json", default=None, help="the report's path")
+    p.add_argument("--out", default=None, help="a directory for the plot")
+
+
+def _toy_sets(tokenizer, n: int, seed: int) -> dict:
+    from draftopd.data.prompts import encode_chats, toy_prompts
+
+    return {
+        name: encode_chats(tokenizer, toy_prompts("held_out", n, seed, domain))
+        for name, domain in (("toy", None), ("toy-arithmetic", "arithmetic"), ("toy-code", "code"))
+    }
+
+
+def _learner_overrides(items: list[str]) -> dict:
+    import dataclasses
+
+    from draftopd.config import LearnerConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(LearnerConfig)}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise SystemExit(f"--learner {item!r}: expected FIELD=VALUE with a learner field ({', '.join(fields)})")
+        kind = {"float": float, "int": int, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(fields[name], str)
+        out[name] = kind(value)
+    return out
+
+
+def _bench_opd_vs_sft(args) -> None:
+    import torch
+
+    from draftopd.bench.opd_vs_sft import DEFAULT_ARMS, BenchSettings, curve_plot, run_bench, table
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter_dir = resolve_drafter_path(args.drafter or "toy-plateau")
+    load_drafter(drafter_dir, target)  # fail early on a bad drafter
+    s = BenchSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_draft_tokens=args.num_draft_tokens,
+        depth=args.depth or args.num_draft_tokens,
+        decay=args.decay,
+        eval_ks=tuple(args.eval_ks),
+        eval_every=args.eval_every,
+        seeds=tuple(args.seeds),
+        arms=tuple(args.arms or DEFAULT_ARMS),
+        rollout_temperature=args.rollout_temperature,
+        pool_temperature=args.pool_temperature,
+        max_new_tokens=args.max_new_tokens,
+        learner=_learner_overrides(args.learner),
+    )
+    torch.manual_seed(args.seed)
+    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
+    held = _toy_sets(tokenizer, args.num_eval_prompts, args.seed)
+    eos = eos_ids(tokenizer, args.target)
+    report = run_bench(target, eos, lambda: load_drafter(drafter_dir, target), train, held, s)
+    report["start_drafter"] = drafter_dir
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "report.json", report)
+    curve_plot(report, out / "tau_vs_learner_tokens.png")
+    _bench_mlflow(
+        out, "opd-vs-sft", report["settings"], _opd_vs_sft_metrics(report), ["report.json", "tau_vs_learner_tokens.png"]
+    )
+    print(table(report))
+    print(f"report, plot and MLflow store in {out}")
+
+
+def _opd_vs_sft_metrics(report: dict) -> list[tuple[str, float, int]]:
+    """(name, value, step) rows: per arm the mean tau per set and K, per seed (step = seed), the curve (step =
+    learner tokens) and the headline's paired ratios."""
+    rows = []
+    for arm, r in report["arms"].items():
+        for key, (mean, lo, hi) in r["tau"].items():
+            rows += [(f"tau/{arm}/{key}", mean, 0), (f"tau_ci95_low/{arm}/{key}", lo, 0)]
+            rows.append((f"tau_ci95_high/{arm}/{key}", hi, 0))
+        for seed, info in r["seeds"].items():
+            rows += [(f"seed_tau/{arm}/{key}", v, int(seed)) for key, v in info["tau"].items()]
+            rows += [(f"curve/{arm}/seed{seed}", c["tau"], c["learner_tokens"]) for c in info["curve"]]
+        for base, by_key in r["vs"].items():
+            rows.append((f"ratio/{arm}/over/{base}", by_key[report["headline"]]["ratio"], 0))
+    return rows
+
+
+def _bench_mlflow(out: Path, name: str, settings: dict, rows: list, artifacts: list[str]) -> None:
+    from draftopd.tracking import Tracker
+
+    tracker = Tracker(out, "draftopd-bench", name)
+    tracker.start()
+    tracker.log_params(settings)
+    for metric, value, step in rows:
+        tracker.log_metrics({metric: value}, step=step)
+    for a in artifacts:
+        tracker.log_artifact(out / a)
+    tracker.end("FINISHED")
+
+
+def _bench_sft_plateau(args) -> None:
+    from draftopd.bench.sft_plateau import PlateauSettings, plateau_plot, run_plateau
+    from draftopd.config import DrafterConfig
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter, new_drafter, save_drafter
+    from draftopd.engine.speculative import SpeculativeEngine
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
+    from draftopd.messages import SamplingConfig
+    from draftopd.sft.trainer import SFTExample
+    from draftopd.sft.vocab import build_draft_vocab
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    eos = eos_ids(tokenizer, args.target)
+    s = PlateauSettings(
+        batch_size=args.batch_size,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        max_steps=args.steps,
+        depth=args.depth,
+        decay=args.decay,
+        num_anchors=args.num_anchors,
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
+    sampling = SamplingConfig(s.max_new_tokens, args.pool_temperature, 0, args.seed)
+    pool = SpeculativeEngine(target, None, eos).generate(train, sampling)
+    examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in pool]
+    if args.drafter:
+        drafter = load_drafter(resolve_drafter_path(args.drafter), target)
+    else:
+        cfg = DrafterConfig()
+        vocab = build_draft_vocab([t.output_ids for t in pool], cfg.draft_vocab_size, len(tokenizer), eos)
+        drafter = new_drafter(cfg, target, vocab)
+    held = _toy_sets(tokenizer, args.num_eval_prompts, args.seed)["toy"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_plateau(drafter, target, eos, examples, held, s, lambda d: save_drafter(d, out / "drafter"))
+    from draftopd.bench.opd_vs_sft import held_out
+
+    shipped = load_drafter(resolve_drafter_path("toy"), target)
+    reference = {
+        "shipped toy drafter": held_out(shipped, target, eos, held, s.num_draft_tokens, s.seed, s.max_new_tokens)["tau"]
+    }
+    report.update(
+        settings=s.__dict__, pool_size=len(examples), pool_temperature=args.pool_temperature, reference=reference
+    )
+    write_json(out / "report.json", report)
+    plateau_plot(report, out / "sft_plateau.png", reference)
+    rows = [("plateau/tau", c["tau"], c["learner_tokens"]) for c in report["curve"]]
+    _bench_mlflow(out, "sft-plateau", report["settings"], rows, ["report.json", "sft_plateau.png"])
+    b = report["best"]
+    state = "plateaued" if report["plateaued"] else "still improving at the step limit"
+    print(
+        f"SFT {state}: best held-out tau {b['tau']:.3f} at step {b['step']} ({b['learner_tokens']} learner tokens); "
+        f"stopped at step {report['stopped_at_step']} ({report['epochs']:.1f} epochs of {len(examples)} responses)"
+    )
+    print(f"best drafter in {out / 'drafter'}; report, plot and MLflow store in {out}")
+
+
+def _bench_rollout(args) -> None:
+    from draftopd.bench.rollout import format_rollout, run_rollout_bench
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path, resolve_target_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter_dir = resolve_drafter_path(args.drafter or "toy")
+    prompts = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
+    report = run_rollout_bench(
+        target,
+        load_drafter(drafter_dir, target),
+        drafter_dir,
+        str(resolve_target_path(args.target)),
+        eos_ids(tokenizer, args.target),
+        prompts,
+        args.num_draft_tokens,
+        args.max_new_tokens,
+        args.batch_size,
+    )
+    write_json(Path(args.json), report)
+    print(format_rollout(report))
+
+
+def _bench_engines(args) -> None:
+    from draftopd.bench.engines import format_engines, run_engines_bench
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path, resolve_target_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    drafter_dir = resolve_drafter_path(args.drafter or "toy")
+    drafter = load_drafter(drafter_dir, target)
+    prompts = encode_chats(tokenizer, toy_prompts("held_out", args.num_eval_prompts, args.seed))
+    eos = eos_ids(tokenizer, args.target)
+    paths = (str(resolve_target_path(args.target)), str(Path(drafter_dir).resolve()))
+    report = run_engines_bench(
+        target,
+        drafter,
+        eos,
+        prompts,
+        args.max_new_tokens,
+        args.num_draft_tokens,
+        args.prompt_lookup_tokens,
+        args.vllm_python,
+        paths,
+    )
+    write_json(Path(args.json), report)
+    print(format_engines(report))
+
+
+def _bench_families(args) -> None:
+    from draftopd.bench.families import Arm, bar_plot, d2sd_arms, num_drafts, pard_arms, run_families, table
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.drafters import load_drafter
+    from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, args.aux_layer_ids)
+    first = "toy-eagle3" if not args.drafter else Path(args.drafter).name
+    named = {first: [resolve_drafter_path(args.drafter or "toy")]}
+    for item in args.drafters:
+        name, _, paths = item.partition("=")
+        if not name or not paths or name in named:
+            raise SystemExit(f"--drafters {item!r}: expected NAME=DIR[,DIR...] with a name not used before")
+        named[name] = [resolve_drafter_path(p) for p in paths.split(",")]
+        if len(named[name]) not in (1, len(args.seeds)):
+            raise SystemExit(f"--drafters {item!r}: one directory, or one per seed ({len(args.seeds)})")
+    arms = []
+    for name, paths in named.items():
+        drafters = [load_drafter(p, target).eval() for p in paths]
+        if len({d.kind for d in drafters}) > 1:
+            raise SystemExit(f"--drafters {name}: the directories hold drafters of different families")
+        arms.append(Arm(name, drafters, ",".join(map(str, paths)), num_drafts(drafters[0], args.num_draft_tokens)))
+        if drafters[0].kind == "d2sd":
+            arms += d2sd_arms(arms[-1], naive=not args.no_naive_resample)
+        if drafters[0].kind == "pard":
+            arms += pard_arms(arms[-1])
+    pairs = []
+    for item in args.pairs:
+        a, sep, b = item.partition("/")
+        if not sep or not a or not b:
+            raise SystemExit(f"--pairs {item!r}: expected ARM/BASE")
+        pairs.append((a, b))
+    n = args.num_eval_prompts
+    # the "toy" set of _toy_sets (held-out prompts of every domain), without building the per-domain ones
+    prompts = {seed: encode_chats(tokenizer, toy_prompts("held_out", n, seed)) for seed in args.seeds}
+    try:
+        report = run_families(target, eos_ids(tokenizer, args.target), arms, prompts, args.max_new_tokens, pairs)
+    except ValueError as exc:
+        raise SystemExit(f"bench families: {exc}") from None
+    if args.json:
+        write_json(Path(args.json), report)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        bar_plot(report, Path(args.out) / "families.png")
+    print(table(report))

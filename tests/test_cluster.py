@@ -17,6 +17,7 @@ import yaml
 
 from draftopd import cluster
 from draftopd.cli import build_parser, main
+from draftopd.cli.recipe_check import recipe_paths
 from draftopd.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,13 +251,17 @@ def test_slurm_scripts_pass_shellcheck(tmp_path):
 def test_submit_line_runs_the_recipe(recipe, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "a token"))
-    main(["cluster", "submit", str(recipe), "--address", "http://10.0.0.1:8265", "--runs-dir", "/shared/runs"])
+    # paths not in this checkout are on the cluster's storage (submit refuses them otherwise)
+    sets = [f"{k}=/data/{k}" for k, v in recipe_paths(load_config(recipe)).items() if not Path(v).exists()]
+    argv = ["cluster", "submit", str(recipe), "--address", "http://10.0.0.1:8265", "--runs-dir", "/shared/runs"]
+    main([*argv, *(w for item in sets for w in ("--set", item))])
     comment, token, line = capsys.readouterr().out.strip().splitlines()
     words = shlex.split(line)
     assert words[:2] == ["RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN_PATH={tmp_path / 'a token'}"]
     assert line.startswith(f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={shlex.quote(str(tmp_path / 'a token'))} ray ")
     assert words[2:7] == ["ray", "job", "submit", "--address", "http://10.0.0.1:8265"]
-    assert words[words.index("--") + 1 :] == ["draftopd", "train", f"recipes/{recipe.name}", "run.out_dir=/shared/runs"]
+    job = ["draftopd", "train", f"recipes/{recipe.name}", "run.out_dir=/shared/runs", *sets]
+    assert words[words.index("--") + 1 :] == job
     assert f"{_expect(recipe)['gpus']:g} GPUs" in comment and "$RAY_AUTH_TOKEN_PATH" in token
 
 

@@ -172,7 +172,7 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     out = tmp_path / "bench"
     arms = ["sft-pool", "sft-rollout-temp", "opd", "opd-control"]
     argv = ["bench", "opd-vs-sft", "--steps", "2", "--batch-size", "4", "--eval-every", "1", "--seeds", "0", "1"]
-    argv += ["--num-train-prompts", "8", "--num-eval-prompts", "2", "--max-new-tokens", "48", "--eval-ks", "4"]
+    argv += ["--num-train-prompts", "8", "--num-eval-prompts", "2", "--max-new-tokens", "32", "--eval-ks", "4"]
     assert main([*argv, "--arms", *arms, "--out", str(out)]) == 0
     r = json.loads((out / "report.json").read_text())
     assert list(r["arms"]) == arms and r["headline"] == "toy/k4"
@@ -199,7 +199,7 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     lo, hi = vs["ratio_ci95"]
     assert lo <= vs["ratio"] <= hi
     # Every arm starts from the shipped plateau drafter: its tau per held-out set, from a greedy decode's steps.
-    expected = _greedy_tau(str(ASSETS / "toy-eagle3-plateau"), num_prompts=2, max_new_tokens=48, num_draft_tokens=4)
+    expected = _greedy_tau(str(ASSETS / "toy-eagle3-plateau"), num_prompts=2, max_new_tokens=32, num_draft_tokens=4)
     assert {n: r["start"][f"{n}/k4"][0] for n in expected} == pytest.approx(expected)
     assert (out / "tau_vs_learner_tokens.png").stat().st_size > 10_000
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")

@@ -274,7 +274,7 @@ def test_the_vllm_export_is_the_ti_mode_and_the_td_checkpoint_is_refused_in_one_
     with pytest.raises(ValueError, match="target-dependent mode has no stock vLLM method") as err:
         pard.speculative_config(ckpt, 4)
     assert "\n" not in str(err.value)
-    with pytest.raises(LoadError, match="unknown PARD format 'speculators'") as err:
+    with pytest.raises(LoadError, match="a 'pard' drafter exports to vllm only, not 'speculators'") as err:
         export_drafter(ckpt, "speculators", tmp_path / "other")
     assert "\n" not in str(err.value)
     out = export_drafter(ckpt, "vllm", tmp_path / "vllm")

@@ -169,7 +169,7 @@ def format_refusal(kind: str, fmt: str) -> str:
     """One line: the family, and the serving formats it has (none yet, for some)."""
     formats = family(kind).formats
     if not formats:
-        return f"a '{kind}' drafter has no serving format yet (asked for '{fmt}')"
+        return f"a '{kind}' drafter has no serving layout to export to yet (asked for '{fmt}')"
     return f"a '{kind}' drafter exports to {', '.join(formats)} only, not '{fmt}'"
 
 

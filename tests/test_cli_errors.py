@@ -165,3 +165,17 @@ def test_top_level_help_groups_every_command_by_job(capsys):
     listed = {line.split()[0] for line in out.split("train:", 1)[1].splitlines() if line.startswith("  ")}
     assert listed == set(commands)
 
+
+def test_train_refuses_more_gpus_than_its_own_ray_would_have(capsys, tmp_path, monkeypatch):
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has the 8 GPUs the recipe asks for")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    model, train, held = tmp_path / "Qwen3-8B", tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for path in (train, held):
+        path.write_text('{"prompt": "hi"}\n')
+    sets = [f"target.path={model}", f"data.prompts={train}", f"data.eval_prompts={held}", f"run.out_dir={tmp_path}/r"]
+    err = _refused(capsys, ["train", str(REPO / "recipes" / "qwen3-8b.yaml"), *sets])
+    assert "ask Ray for 8 GPUs and this machine has" in err and "cluster submit" in err
+    assert not (tmp_path / "r").exists()

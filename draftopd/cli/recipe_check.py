@@ -51,3 +51,24 @@ def _missing(key: str, value: str, on_cluster: bool) -> str:
     if key.startswith("data."):
         return f"{key}={value}: no such file or pool; make it with `draftopd prepare-data --out {value} ...` first"
     return f"{key}={value}: no such checkpoint directory"
+
+
+def check_local_gpus(cfg: Config, env: dict | None = None) -> None:
+    """A Draft-OPD run that starts its own Ray (no `ray.address`, not under `ray job submit`) gets this machine's
+    GPUs alone: asking for more would leave its actors waiting for GPUs that never come."""
+    import os
+
+    env = os.environ if env is None else env
+    if not cfg.opd.enabled or cfg.ray.in_process or cfg.ray.address or env.get("RAY_ADDRESS"):
+        return
+    import torch
+
+    from draftopd.cluster.layout import recipe_actors
+
+    asked = sum(a.gpus for a in recipe_actors(cfg))
+    here = torch.cuda.device_count()
+    if asked > here:
+        raise ConfigError(
+            f"the recipe's actors ask Ray for {asked:g} GPUs and this machine has {here}: run it on a cluster "
+            "(`draftopd cluster submit RECIPE`, or ray.address=ADDRESS), or give it fewer GPU actors"
+        )

@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def cmd_train(args) -> None:
-    from draftopd.cli.recipe_check import check_recipe_paths
+    from draftopd.cli.recipe_check import check_local_gpus, check_recipe_paths
     from draftopd.config import ConfigError, load_config
     from draftopd.plan import check_before_train
     from draftopd.sft.pipeline import run_sft
@@ -41,6 +41,7 @@ def cmd_train(args) -> None:
         cfg = load_config(args.recipe, args.overrides)
     check_before_train(cfg, args.recipe)  # a layout that cannot fit its GPUs stops here, before any actor starts
     check_recipe_paths(cfg)  # so does a target, pool or checkpoint that is not on disk
+    check_local_gpus(cfg)  # and a run of its own Ray that asks for more GPUs than this machine has
     if cfg.opd.enabled:
         from draftopd.opd.driver import run_opd
 

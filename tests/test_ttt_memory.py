@@ -192,3 +192,55 @@ def test_cuda_bfloat16_ttt_equals_the_dense_path():
         torch.testing.assert_close(a, r, atol=0.1, rtol=0.05)
     for a, r in zip(runs["chunked"][1], runs["dense"][1]):
         assert float((a - r).norm() / r.norm()) < 0.05
+
+
+# ---- DFlash (and D²SD's two DFlash drafters): block attention over many rows, chunked under autograd -------------
+
+
+def family_saved_bytes(drafter, length: int) -> int:
+    """`saved_bytes` for a one-pass family scoring every row (Draft-OPD's replay), depth 4, on the meta device."""
+    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+    feats = torch.randn(1, length, 3 * drafter.cfg.hidden_size, device="meta")
+    valid = torch.ones(1, length, dtype=torch.bool, device="meta")
+    weights = {t.untyped_storage()._cdata for t in [*drafter.parameters(), *drafter.buffers()]}
+    seen = {}
+
+    def pack(x):
+        if x.untyped_storage()._cdata not in weights:
+            seen[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        drafter.score(ids, feats, valid, 4)
+    return sum(seen.values())
+
+
+def test_dflash_chunked_block_attention_equals_the_whole(monkeypatch):
+    from draftopd.drafters import dflash
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, kind="dflash")
+    torch.manual_seed(2)
+    ids = torch.randint(2, 16, (2, 14))
+    feats = drafter.features(target.forward(ids, torch.arange(14).expand(2, 14))).detach().requires_grad_()
+    valid = padded_valid(2, 14)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    runs = []
+    for elements in (dflash.CHUNK_ELEMENTS, 2 * 4 * 8 * 14 * 3):  # the second: chunks of 3 rows
+        monkeypatch.setattr(dflash, "CHUNK_ELEMENTS", elements)
+        grid = drafter.score(ids, feats, valid, 7)
+        runs.append([grid, *grads([grid], [feats, *params])])
+    for a, r in zip(*runs):
+        torch.testing.assert_close(a, r, atol=1e-12, rtol=1e-12)
+
+
+def test_dflash_training_memory_grows_linearly(monkeypatch):
+    from draftopd.drafters import dflash
+
+    drafter = tiny_drafter(tiny_target(vocab=64, hidden=256, dtype=torch.float32), kind="dflash").to("meta")
+    monkeypatch.setattr(dflash, "CHUNK_ELEMENTS", 1 << 20)  # both lengths chunked, as long sequences are
+    short, long = family_saved_bytes(drafter, 512), family_saved_bytes(drafter, 2048)
+    assert long / short <= 5.0, (short / 2**20, long / 2**20)
+    monkeypatch.setattr(dflash, "CHUNK_ELEMENTS", 1 << 62)  # never chunked: the former computation
+    short, long = family_saved_bytes(drafter, 512), family_saved_bytes(drafter, 2048)
+    assert long / short > 5.0, (short / 2**20, long / 2**20)

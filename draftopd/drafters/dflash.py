@@ -34,6 +34,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from draftopd.drafters.base import Pick, pick_block
 from draftopd.models.layers import MLP, RMSNorm, apply_rope, at_least_fp32, rope_cos_sin
@@ -118,13 +119,41 @@ class DFlashConfig:
         )
 
 
+# elements of one chunk's [B, h, rows, Bk, S] score block when training scores many rows (all rows, as Draft-OPD
+# does): chunks of rows are recomputed in backward instead of keeping [B, h, R, Bk, S] probabilities, so training
+# memory stays linear in the sequence (only the [B, R, S] boolean visibility mask is kept whole)
+CHUNK_ELEMENTS = 1 << 26
+
+
 def block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk) -> torch.Tensor:
     """Attention of R blocks over the shared context and, bidirectionally, their own block.
 
     q, k_blk, v_blk [B, h, R, Bk, D]; k_ctx, v_ctx [B, h, S, D]; ctx_visible [B, R, S] (True: attend).
     This is the dense boolean block mask over keys [context | all blocks] with its empty
-    cross-block part left out: one softmax over [context ; own block].
+    cross-block part left out: one softmax over [context ; own block]. Under autograd, rows
+    beyond `CHUNK_ELEMENTS` go by checkpointed chunks (each row's numbers are computed alike).
     """
+    b, h, r, bk, _ = q.shape
+    rows = max(1, CHUNK_ELEMENTS // max(1, b * h * bk * k_ctx.shape[2]))
+    if r <= rows or not torch.is_grad_enabled():
+        return _block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk)
+    parts = [
+        checkpoint(
+            _block_attention,
+            q[:, :, i : i + rows],
+            k_ctx,
+            v_ctx,
+            ctx_visible[:, i : i + rows],
+            k_blk[:, :, i : i + rows],
+            v_blk[:, :, i : i + rows],
+            use_reentrant=False,
+        )
+        for i in range(0, r, rows)
+    ]
+    return torch.cat(parts, dim=2)
+
+
+def _block_attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1])
     s_ctx = torch.einsum("bhrid,bhsd->bhris", q, k_ctx) * scale
     s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, :, None, :], float("-inf"))

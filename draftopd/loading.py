@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from draftopd.config import TOY_TARGET
+from draftopd.schema import TOY_TARGET
 
 ASSETS = Path(__file__).parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -151,7 +151,7 @@ def shape_from_config(c: dict) -> TargetShape:
 
 def target_config(path: str) -> dict:
     """config.json of the target at `path` (`toy`: the shipped one), else the known table by its last part."""
-    from draftopd.config import TOY_TARGET
+    from draftopd.schema import TOY_TARGET
 
     if path == TOY_TARGET:
         local = Path(__file__).parent / "assets" / "toy-target" / "config.json"

@@ -10,7 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from draftopd.config import Config, to_dict
+from draftopd.schema import Config, to_dict
 
 PACKAGES = [
     "draftopd",
@@ -62,6 +62,14 @@ def provenance(argv: list[str]) -> dict:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "packages": versions,
     }
+
+
+def latest_checkpoint(run_path: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory, or None."""
+    pointer = run_path / "checkpoints" / "latest.json"
+    if not pointer.is_file():
+        return None
+    return run_path / "checkpoints" / json.loads(pointer.read_text())["dir"]
 
 
 class RunDir:

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from draftopd.config import BufferConfig, LearnerConfig
 from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.eval.acceptance import acceptance_stats
 from draftopd.messages import SamplingConfig
@@ -47,6 +46,7 @@ from draftopd.opd.replay import (
     sequence_batch,
     target_to_draft_index,
 )
+from draftopd.schema import BufferConfig, LearnerConfig
 
 ARMS: dict[str, dict] = {
     "sft-pool": {"data": "pool"},

@@ -18,7 +18,7 @@ from draftopd.cluster import kuberay, slurm
 from draftopd.cluster.kuberay import DATA, HOME, IMAGE_UID, KUBERAY_SECRET_VERSION, PVC
 from draftopd.cluster.layout import Layout, plan
 from draftopd.cluster.submit import submit_command, token_source
-from draftopd.config import ConfigError
+from draftopd.schema import ConfigError
 
 # What tests and the CLI use: the layout, the image's user and home the Dockerfile must agree with, the renderers.
 __all__ = ["HOME", "IMAGE_UID", "PVC", "Layout", "add_arguments", "plan", "render", "run", "submit_command"]

@@ -32,6 +32,7 @@ from torch import nn
 
 from draftopd.drafters.base import Pick
 from draftopd.drafters.eagle3_formats import FORMATS, export_state, import_state, read_config
+from draftopd.drafters.eagle3_inspect import describe
 from draftopd.drafters.eagle3_layers import ROPE_TYPES, MidLayer
 from draftopd.drafters.ttt_attention import dense_mask, dense_ttt_attention, ttt_attention
 from draftopd.models.layers import RMSNorm, at_least_fp32, attend_mask
@@ -370,9 +371,7 @@ class Eagle3Drafter(nn.Module):
     @staticmethod
     def describe(raw: dict, tensors: dict, target=None) -> list[str]:
         """What `draftopd inspect` prints about a checkpoint (eagle3_inspect.py)."""
-        from draftopd.drafters.eagle3_inspect import describe
-
-        return describe(raw, tensors, target)
+        return describe(Eagle3Config.from_hf(read_config(raw)), raw, tensors, target)
 
     @classmethod
     def new(cls, cfg, target, draft_to_target: torch.Tensor) -> Eagle3Drafter:

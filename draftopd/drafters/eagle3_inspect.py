@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from draftopd.drafters.eagle3 import Eagle3Config
 from draftopd.drafters.eagle3_formats import IDS, detect_layout, id_convention, import_state, read_config
 
 OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias", "mlp_bias")
 
 
-def _target_fit(cfg: Eagle3Config, tensors: dict, target) -> list[str]:
-    """Reasons the drafter does not fit `target` (empty: it does)."""
+def _target_fit(cfg, tensors: dict, target) -> list[str]:
+    """Reasons the drafter (`cfg`: its Eagle3Config) does not fit `target` (empty: it does)."""
     bad = []
     if cfg.vocab_size != target.vocab_size:
         bad.append(f"vocabulary {cfg.vocab_size} != the target's {target.vocab_size}")
@@ -39,9 +38,9 @@ def _embedding(tensors: dict, target) -> str:
     )
 
 
-def describe(raw: dict, tensors: dict, target=None) -> list[str]:
+def describe(cfg, raw: dict, tensors: dict, target=None) -> list[str]:
+    """`cfg` is the checkpoint's Eagle3Config, parsed by eagle3.py (which imports this module, not the reverse)."""
     cfg_dict = read_config(raw)
-    cfg = Eagle3Config.from_hf(cfg_dict)
     tensors = import_state(tensors)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
     rope = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) if cfg.rope_scaling else "default"

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from draftopd.eval.acceptance import acceptance_stats
 from draftopd.messages import Trajectory
+from draftopd.rundir import latest_checkpoint
 
 SEQUENCE_ENDED = "(sequence ended)"  # a rejection in a step the end-of-sequence or the budget cut short
 RANKED = ("rejected_tokens", "replacements", "contexts")  # tables cut to --top rows when printed
@@ -35,8 +36,6 @@ RANKED = ("rejected_tokens", "replacements", "contexts")  # tables cut to --top 
 def read_run_buffer(run_dir: str | Path) -> tuple[Path, dict, dict]:
     """(checkpoint directory, buffer state_dict, driver state) of a run's newest checkpoint; FileNotFoundError
     naming what is missing otherwise."""
-    from draftopd.opd.session import latest_checkpoint
-
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"{run} is not a run directory (no config.yaml)")

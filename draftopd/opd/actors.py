@@ -9,10 +9,10 @@ driver's process (opd/runtime.py).
 
 from __future__ import annotations
 
-from draftopd.config import Config
 from draftopd.opd.buffer import ReplayBuffer
 from draftopd.opd.learner import DraftLearner
 from draftopd.opd.rollout import RolloutWorker
+from draftopd.schema import Config
 
 
 def _in_process(cls):

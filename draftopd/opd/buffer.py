@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 import random
 
-from draftopd.config import CHOICES, BufferConfig
 from draftopd.messages import ErrorState, Trajectory, VerificationStep
+from draftopd.schema import CHOICES, BufferConfig
 
 SAMPLINGS = CHOICES["buffer.sampling"]
 _STATE_DICT_FORMAT = 2  # 2: per-state sample counts and the replay counters; 1 still loads

@@ -12,10 +12,10 @@ import sys
 
 from tqdm import tqdm
 
-from draftopd.config import Config
 from draftopd.eval.plots import acceptance_curve_plot
-from draftopd.opd.session import DriverState, Session, TrainingError, latest_checkpoint, start_ray
-from draftopd.rundir import RunDir
+from draftopd.opd.session import DriverState, Session, TrainingError, start_ray
+from draftopd.rundir import RunDir, latest_checkpoint
+from draftopd.schema import Config
 from draftopd.tracking import Tracker
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftopd.config import DrafterConfig
 from draftopd.messages import ErrorState
+from draftopd.schema import DrafterConfig
 
 
 @dataclass

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from draftopd.config import CHOICES
 from draftopd.losses import cat_weights, restrict_to_draft_vocab
 from draftopd.messages import ErrorState
 from draftopd.opd.losses import DIVERGENCES, NORMALISATIONS, bernoulli_forward_kl, k3, mix_streams
+from draftopd.schema import CHOICES
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftopd.config import Config, to_dict
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.eval.acceptance import acceptance_stats
@@ -27,7 +26,8 @@ from draftopd.opd.learner import LearnerSpec
 from draftopd.opd.replay import opd_loss_config
 from draftopd.opd.runtime import InProcessRuntime, RayRuntime
 from draftopd.opd.weight_sync import StaleWeights, WeightSyncError, make_weight_sync
-from draftopd.rundir import RunDir
+from draftopd.rundir import RunDir, latest_checkpoint
+from draftopd.schema import Config, to_dict
 from draftopd.sft.trainer import SFTExample, lr_at
 from draftopd.sft.vocab import build_draft_vocab
 
@@ -50,14 +50,6 @@ def _atomic_write(path, text: str) -> None:
 def _first_line(exc: BaseException) -> str:
     """Ray's actor errors run to many lines; a stop message is one."""
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-def latest_checkpoint(run_path: Path) -> Path | None:
-    """The newest complete checkpoint of a run directory, or None."""
-    pointer = run_path / "checkpoints" / "latest.json"
-    if not pointer.is_file():
-        return None
-    return run_path / "checkpoints" / json.loads(pointer.read_text())["dir"]
 
 
 class TrainingError(RuntimeError):

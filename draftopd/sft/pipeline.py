@@ -11,7 +11,6 @@ import sys
 import torch
 from tqdm import tqdm
 
-from draftopd.config import Config
 from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.drafters import load_drafter, new_drafter, save_drafter
@@ -20,6 +19,7 @@ from draftopd.eval.acceptance import evaluate, format_table
 from draftopd.loading import eos_ids, load_target, load_tokenizer
 from draftopd.messages import SamplingConfig, Trajectory
 from draftopd.rundir import RunDir
+from draftopd.schema import Config
 from draftopd.sft.trainer import SFTExample, SFTTrainer
 from draftopd.sft.vocab import build_draft_vocab, coverage
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draftopd.config import SFTConfig
 from draftopd.drafters.base import RowSet
 from draftopd.losses import forward_kl, masked_mean, restrict_to_draft_vocab
+from draftopd.schema import SFTConfig
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from draftopd.config import DrafterConfig
 from draftopd.drafters import new_drafter
 from draftopd.models.target import TargetModel
+from draftopd.schema import DrafterConfig
 
 
 def tiny_target(
@@ -64,9 +64,9 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
 
 def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, seed: int = 0, **opts):
     """A drafter trained briefly (seconds) on the tiny target's own samples, so that drafts get accepted."""
-    from draftopd.config import SFTConfig
     from draftopd.engine.speculative import SpeculativeEngine
     from draftopd.messages import SamplingConfig
+    from draftopd.schema import SFTConfig
     from draftopd.sft.trainer import SFTExample, SFTTrainer
 
     g = torch.Generator().manual_seed(seed)

@@ -141,31 +141,7 @@ def _check_choices(cfg: Config) -> None:
     if rollout_k < 1 or any(k < 1 for k in eval_ks):  # K = 0 decodes without the drafter, K < 0 fails in a proposer
         key, value = ("rollout.num_draft_tokens", rollout_k) if rollout_k < 1 else ("eval.num_draft_tokens", eval_ks)
         raise ConfigError(f"{key}={value}: K, the drafts per step, must be at least 1")
-    # Pushes into vLLM's DFlash drafter were measured broken on CPU (the hook's reload); on GPUs (sync.backend=nccl)
-    # they go through vLLM's weight-transfer engine in one load_weights call, after which DFlash rebuilds its fused
-    # context K/V weights (vllm_backend/transfer.py).
-    gpu_push = cfg.sync.backend == "nccl" and cfg.rollout.num_gpus_per_worker > 0 and cfg.drafter.kind == "dflash"
-    if cfg.opd.enabled and cfg.rollout.backend == "vllm" and cfg.drafter.kind in ("dflash", "pard") and not gpu_push:
-        name = {"dflash": "DFlash drafter", "pard": "draft model (PARD)"}[cfg.drafter.kind]
-        raise ConfigError(
-            f"Draft-OPD pushes drafter weights into the rollout engine, which vLLM's {name} does not take yet: "
-            f"rollout.backend=native with drafter.kind={cfg.drafter.kind}"
-        )
-    if cfg.opd.enabled and cfg.drafter.kind == "d2sd":
-        raise ConfigError(
-            "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
-        )
-    d = cfg.drafter
-    if d.kind in ("dflash", "d2sd") and not d.init:  # a block drafts at most block_size - 1 tokens per step
-        asked = {"eval.num_draft_tokens": max(cfg.eval.num_draft_tokens, default=0)}
-        if cfg.opd.enabled:
-            asked["rollout.num_draft_tokens"] = cfg.rollout.num_draft_tokens
-        for key, k in asked.items():
-            if k > d.block_size - 1:
-                raise ConfigError(
-                    f"{key} asks for {k} drafts per step, but a {d.kind} block of drafter.block_size={d.block_size} "
-                    f"holds at most {d.block_size - 1}"
-                )
+    _check_family(cfg, FAMILIES[cfg.drafter.kind])
     if cfg.ray.in_process and (cfg.learner.num_learners != 1 or cfg.sync.backend != "object_store"):
         raise ConfigError(
             "ray.in_process=true runs one learner rank (learner.num_learners=1) and sync.backend=object_store"
@@ -192,3 +168,24 @@ def _check_choices(cfg: Config) -> None:
             f"learner.num_gpus_per_learner={cfg.learner.num_gpus_per_learner!r} must be 0 (CPU ranks, gloo) "
             "or 1 (one GPU per rank, NCCL)"
         )
+
+
+def _check_family(cfg: Config, family) -> None:
+    """The rules of the recipe's drafter family, asked of its class: what it refuses to run, and the most drafts a
+    step holds (checked here when the drafter is built from the recipe; a checkpoint's own shape is checked by
+    its proposer)."""
+    reason = family.config_refusal(cfg)
+    if reason:
+        raise ConfigError(reason)
+    d, limit = cfg.drafter, family.max_drafts(cfg.drafter)
+    if limit is None or d.init:
+        return
+    asked = {"eval.num_draft_tokens": max(cfg.eval.num_draft_tokens, default=0)}
+    if cfg.opd.enabled:
+        asked["rollout.num_draft_tokens"] = cfg.rollout.num_draft_tokens
+    for key, k in asked.items():
+        if k > limit:
+            raise ConfigError(
+                f"{key} asks for {k} drafts per step, but a {d.kind} block of drafter.block_size={d.block_size} "
+                f"holds at most {limit}"
+            )

@@ -87,12 +87,10 @@ class Arm:
 
 
 def num_drafts(drafter, k_chain: int) -> int:
-    """Drafts per step: `k_chain` for EAGLE-3 and PARD (any K), the whole block (block size - 1) for DFlash
-    and D²SD."""
-    if drafter.kind in ("eagle3", "pard"):
-        return k_chain
-    cfg = drafter.first.cfg if drafter.kind == "d2sd" else drafter.cfg
-    return cfg.block_size - 1
+    """Drafts per step: the whole block for a family whose step holds a fixed most (DFlash, D²SD: block size - 1),
+    `k_chain` for one that drafts any K (EAGLE-3, PARD)."""
+    limit = drafter.max_drafts(drafter)
+    return k_chain if limit is None else limit
 
 
 def naive_resample(drafter):
@@ -207,19 +205,26 @@ def pard_flops(cfg: dict, k: int, committed: float, context: float, num_features
     return 2 * ((committed + k - 1) * (row + num_features * h) + k * h * cfg["vocab_size"])
 
 
+def _d2sd_flops(d, k: int, committed: float, context: float) -> float:
+    """The first block plus min(num_candidates, K) VP blocks, each drafter with its own context rows."""
+    first = dflash_flops(d.first.cfg, k, committed, context)
+    return first + dflash_flops(d.vp.cfg, k, committed, context, min(d.num_candidates, k))
+
+
+# The analytic FLOPs model of one verification step, per family (the formulas above).
+STEP_FLOPS = {
+    "eagle3": lambda d, k, c, ctx: eagle3_flops(d.cfg, k, c, ctx),
+    "dflash": lambda d, k, c, ctx: dflash_flops(d.cfg, k, c, ctx),
+    "d2sd": _d2sd_flops,
+    "pard": lambda d, k, c, ctx: pard_flops(
+        d.lm.config.to_dict(), k, c, ctx, d.target_proj.in_features if d.target_dependent else 0
+    ),
+}
+
+
 def step_flops(drafter, k: int, committed: float, context: float) -> float:
-    """Analytic drafter FLOPs of one verification step of any family (D²SD: the first block plus
-    min(num_candidates, K) VP blocks, each drafter with its own context rows)."""
-    if drafter.kind == "eagle3":
-        return eagle3_flops(drafter.cfg, k, committed, context)
-    if drafter.kind == "dflash":
-        return dflash_flops(drafter.cfg, k, committed, context)
-    if drafter.kind == "pard":
-        features = drafter.target_proj.in_features if drafter.target_dependent else 0
-        return pard_flops(drafter.lm.config.to_dict(), k, committed, context, features)
-    vp_blocks = min(drafter.num_candidates, k)
-    first = dflash_flops(drafter.first.cfg, k, committed, context)
-    return first + dflash_flops(drafter.vp.cfg, k, committed, context, vp_blocks)
+    """Analytic drafter FLOPs of one verification step of any family."""
+    return STEP_FLOPS[drafter.kind](drafter, k, committed, context)
 
 
 # ---- the run ----------------------------------------------------------------------

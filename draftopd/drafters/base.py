@@ -114,5 +114,14 @@ class Drafter(Protocol):
     def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Drafter: ...
 
     @staticmethod
+    def max_drafts(cfg) -> int | None:
+        """The most drafts one step can hold (a block family: block_size - 1), None for any K. `cfg`: the recipe's
+        drafter section or a built drafter; the config loader, the proposers and the benches all ask this."""
+
+    @staticmethod
+    def config_refusal(cfg) -> str:
+        """Why a resolved recipe (the whole Config) cannot run with this family, in one line; '' when it can."""
+
+    @staticmethod
     def speculative_config(path: str | Path, num_draft_tokens: int) -> dict:
         """vLLM's `speculative_config` serving an exported directory of this family."""

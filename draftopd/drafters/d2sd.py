@@ -97,6 +97,24 @@ class D2SDDrafter(nn.Module):
     kind: ClassVar[str] = "d2sd"
     needs: ClassVar[str] = "aux"
 
+    @staticmethod
+    def max_drafts(cfg) -> int | None:
+        """Drafts per step: the first drafter's block, block_size - 1. `cfg`: anything with a `block_size` (the
+        recipe's drafter section, a built drafter)."""
+        return cfg.block_size - 1
+
+    @staticmethod
+    def config_refusal(cfg) -> str:
+        """Why a resolved recipe cannot run with this family ('' when it can)."""
+        if cfg.opd.enabled:
+            return "drafter.kind=d2sd: Draft-OPD does not replay D²SD steps yet (a winning row mixes both drafters)"
+        return ""
+
+    @property
+    def block_size(self) -> int:
+        """The first drafter's block (the VP drafter's holds at least as many)."""
+        return self.first.cfg.block_size
+
     @property
     def vocab_size(self) -> int:
         return self.first.vocab_size
@@ -224,8 +242,8 @@ class D2SDProposer:
         """Rows [B, R, K] of argmax drafts and their drafters' log-probs [B, R, K]: row 0 is the first drafter's
         block, row j >= 1 keeps its first i_j drafts and takes the VP drafter's after them."""
         d, p = self.d, self.first
-        if k > d.first.cfg.block_size - 1:
-            raise ValueError(f"{k} drafts per step, but a D²SD block of {d.first.cfg.block_size} holds fewer")
+        if k > d.max_drafts(d):
+            raise ValueError(f"{k} drafts per step, but a D²SD block of {d.block_size} holds fewer")
         hidden = d.first.blocks(p.anchor[:, None], p.anchor_pos[:, None], p.kv, p.valid[:, None])
         logits = d.first.logits(hidden[:, 0, 1 : k + 1])  # [B, K, V]
         logp, tokens = torch.log_softmax(logits.to(at_least_fp32(logits.dtype)), -1).max(-1)

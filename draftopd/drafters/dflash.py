@@ -274,6 +274,30 @@ class DFlashDrafter(nn.Module):
     kind: ClassVar[str] = "dflash"
     needs: ClassVar[str] = "aux"
 
+    @staticmethod
+    def max_drafts(cfg) -> int | None:
+        """Drafts per step a block holds: the anchor plus block_size - 1 masks. `cfg`: anything with a
+        `block_size` (the recipe's drafter section, a DFlashConfig, a built drafter)."""
+        return cfg.block_size - 1
+
+    @staticmethod
+    def config_refusal(cfg) -> str:
+        """Why a resolved recipe cannot run with this family ('' when it can). Pushes into vLLM's DFlash
+        drafter were measured broken on CPU (the hook's reload); on GPUs (sync.backend=nccl) they go through
+        vLLM's weight-transfer engine in one load_weights call, after which DFlash rebuilds its fused context
+        K/V weights (vllm_backend/transfer.py)."""
+        gpu_push = cfg.sync.backend == "nccl" and cfg.rollout.num_gpus_per_worker > 0
+        if cfg.opd.enabled and cfg.rollout.backend == "vllm" and not gpu_push:
+            return (
+                "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's DFlash drafter does not take "
+                "yet: rollout.backend=native with drafter.kind=dflash"
+            )
+        return ""
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
@@ -428,10 +452,10 @@ class DFlashProposer:
         self.anchor, self.anchor_pos = first, positions[:, -1] + 1
 
     def propose(self, k: int, pick: Pick):
-        if k > self.d.cfg.block_size - 1:
+        if k > self.d.max_drafts(self.d):
             raise ValueError(
-                f"{k} drafts per step, but a DFlash block of {self.d.cfg.block_size} holds at most "
-                f"{self.d.cfg.block_size - 1}"
+                f"{k} drafts per step, but a DFlash block of {self.d.block_size} holds at most "
+                f"{self.d.max_drafts(self.d)}"
             )
         b = self.anchor.shape[0]
         hidden = self.d.blocks(self.anchor[:, None], self.anchor_pos[:, None], self.kv, self.valid[:, None])

@@ -286,6 +286,16 @@ class Eagle3Drafter(nn.Module):
     kind: ClassVar[str] = "eagle3"
     needs: ClassVar[str] = "aux"
 
+    @staticmethod
+    def max_drafts(cfg) -> int | None:
+        """Any K: the chain feeds its own states forward as far as asked."""
+        return None
+
+    @staticmethod
+    def config_refusal(cfg) -> str:
+        """Every recipe the schema accepts runs with EAGLE-3."""
+        return ""
+
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size

@@ -172,6 +172,21 @@ class PardDrafter(nn.Module):
 
     kind: ClassVar[str] = "pard"
 
+    @staticmethod
+    def max_drafts(cfg) -> int | None:
+        """Any K: the mask copies are built for the K asked."""
+        return None
+
+    @staticmethod
+    def config_refusal(cfg) -> str:
+        """Why a resolved recipe cannot run with this family ('' when it can)."""
+        if cfg.opd.enabled and cfg.rollout.backend == "vllm":
+            return (
+                "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's draft model (PARD) does not "
+                "take yet: rollout.backend=native with drafter.kind=pard"
+            )
+        return ""
+
     @property
     def needs(self) -> str:
         return "aux" if self.target_dependent else "none"

@@ -36,6 +36,17 @@ def tiny_target(
     return TargetModel(model.to(dtype))
 
 
+# Per family: drafter options the tiny tests need, and the layers scaled to sharpen its draft distributions.
+# Block families: blocks of 8 (the engine tests draft up to 7); row 0 (pad) as the mask token; their head is the
+# target's own, so they sharpen through their final norm. PARD: a random Llama draft LM (no base_lm).
+TINY = {
+    "eagle3": ({}, lambda d: [d.lm_head]),
+    "dflash": ({"block_size": 8, "mask_token_id": 0}, lambda d: [d.norm]),
+    "d2sd": ({"block_size": 8, "mask_token_id": 0}, lambda d: [d.first.norm, d.vp.norm]),
+    "pard": ({"mask_token_id": 0}, lambda d: [d.lm_head]),
+}
+
+
 def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int = 1, kind: str = "eagle3", **opts):
     """A random drafter of family `kind` for `target`; with `draft_vocab` < vocab it covers the lowest ids.
 
@@ -44,22 +55,16 @@ def tiny_drafter(target: TargetModel, draft_vocab: int | None = None, seed: int 
     """
     torch.manual_seed(seed)
     h = target.hidden_size
-    if kind in ("dflash", "d2sd"):  # blocks of 8 (the engine tests draft up to 7); row 0 (pad) as the mask token
-        opts = {"block_size": 8, "mask_token_id": 0, **opts}
-    if kind == "pard":  # a random Llama draft LM (no base_lm); row 0 (pad) as the mask token
-        opts = {"mask_token_id": 0, **opts}
+    opts = {**TINY[kind][0], **opts}
     cfg = DrafterConfig(kind=kind, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2, **opts)
     drafter = new_drafter(cfg, target, torch.arange(draft_vocab or target.vocab_size))
-    with torch.no_grad():  # DFlash's head is the target's own: sharpen through its final norm instead
-        if kind == "dflash":
-            scaled = [drafter.norm]
-        elif kind == "d2sd":
-            scaled = [drafter.first.norm, drafter.vp.norm]
-        else:
-            scaled = [drafter.lm_head]
-        for layer in scaled:
+    with torch.no_grad():
+        for layer in TINY[kind][1](drafter):
             layer.weight.mul_(4.0)
     return drafter
+
+
+TINY_TRAINING = {"pard": {"ttt_depth": 8}, "d2sd": {"num_anchors": 24}}
 
 
 def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, seed: int = 0, **opts):
@@ -75,13 +80,10 @@ def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, s
     trajs = SpeculativeEngine(target, None, [1]).generate(prompts, SamplingConfig(max_new_tokens=40, temperature=1.0))
     examples = [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
     drafter = tiny_drafter(target, seed=seed + 1, **opts)
-    anchors = 0
-    if opts.get("kind") in ("dflash", "d2sd"):
-        k_depth = opts.get("block_size", 8) - 1  # every offset of the block
-    if opts.get("kind") == "pard":
-        k_depth = 8  # K = 8 copies: up to 7 masks, as many drafts per pass as the engine tests ask for
-    if opts.get("kind") == "d2sd":
-        anchors = 24  # D²SD trains at random anchors (its variable-prefix rows need them)
+    # Block families train every offset of the block; PARD K = 8 copies (up to 7 masks, as many drafts per pass
+    # as the engine tests ask for); D²SD trains at random anchors (its variable-prefix rows need them).
+    k_depth = drafter.max_drafts(drafter) or TINY_TRAINING.get(drafter.kind, {}).get("ttt_depth", k_depth)
+    anchors = TINY_TRAINING.get(drafter.kind, {}).get("num_anchors", 0)
     cfg = SFTConfig(epochs=max(1, steps // 4), batch_size=16, lr=3e-3, ttt_depth=k_depth, num_anchors=anchors)
     trainer = SFTTrainer(drafter, target, examples, cfg, seed)
     for _ in trainer.run():

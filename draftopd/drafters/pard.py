@@ -51,8 +51,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from draftopd.divergences import cat_weights
 from draftopd.drafters.base import Pick, pick_block
-from draftopd.losses import cat_weights
 from draftopd.models.layers import at_least_fp32
 
 ARCHITECTURE = "LlamaForCausalLM"

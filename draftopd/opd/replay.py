@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draftopd.losses import cat_weights, restrict_to_draft_vocab
+from draftopd.divergences import cat_weights, restrict_to_draft_vocab
 from draftopd.messages import ErrorState
-from draftopd.opd.losses import DIVERGENCES, NORMALISATIONS, bernoulli_forward_kl, k3, mix_streams
+from draftopd.opd.objective import DIVERGENCES, NORMALISATIONS, bernoulli_forward_kl, k3, mix_streams
 from draftopd.schema import CHOICES
 
 
@@ -193,7 +193,7 @@ def build_replay_batch(
 
 @dataclass
 class OPDLossConfig:
-    """How the two streams are scored and mixed (see opd/losses.py)."""
+    """How the two streams are scored and mixed (see opd/objective.py)."""
 
     accepted_divergence: str = "forward_kl"
     acc_coef: float = 1.0

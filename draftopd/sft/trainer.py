@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftopd.divergences import forward_kl, masked_mean, restrict_to_draft_vocab
 from draftopd.drafters.base import RowSet
-from draftopd.losses import forward_kl, masked_mean, restrict_to_draft_vocab
 from draftopd.schema import SFTConfig
 
 

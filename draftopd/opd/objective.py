@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from draftopd.losses import forward_kl
+from draftopd.divergences import forward_kl
 
 
 def k3(

@@ -1,7 +1,8 @@
-"""Divergences between the target's and the drafter's next-token distributions.
+"""Divergences between the target's and the drafter's next-token distributions on the draft vocabulary.
 
 The drafter only has logits over its draft vocabulary, so the target's
 distribution is restricted to those tokens and renormalised before comparing.
+SFT's loss is built from these; so is Draft-OPD's accepted stream (opd/objective.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from conftest import random_prompts
 
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.messages import ErrorState
-from draftopd.opd.losses import bernoulli_forward_kl, jsd, k3, mix_streams, total_variation
+from draftopd.opd.objective import bernoulli_forward_kl, jsd, k3, mix_streams, total_variation
 from draftopd.opd.replay import OPDLossConfig, build_replay_batch, opd_loss, replay_forward, target_to_draft_index
 
 

@@ -299,7 +299,7 @@ def test_nonfinite_gradient_norm_skips_the_step(tmp_path, zero_stage):
 def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabulary():
     """The drafter's distribution lives on the draft vocabulary: k3's optimum must be the target restricted to it
     (as the forward KL's is), not the full-vocabulary log-probs the rollout recorded."""
-    from draftopd.opd.losses import k3
+    from draftopd.opd.objective import k3
     from draftopd.opd.replay import rejected_block_targets, target_to_draft_index
     from draftopd.testing import tiny_target
 

@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftopd.data.prompts import encode_chats
+from draftopd.divergences import restrict_to_draft_vocab
 from draftopd.drafters import load_drafter
 from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
-from draftopd.losses import restrict_to_draft_vocab
 from draftopd.messages import ErrorState, SamplingConfig
 from draftopd.opd.replay import (
     OPDLossConfig,

@@ -210,12 +210,18 @@ def drafter_shape(cfg, target: TargetShape) -> DrafterShape:
 
         kind, raw = read_raw(resolve_drafter_path(d.init), "eagle3")
         e = family(kind).read_config(raw)  # this project's layout, whatever the checkpoint's
-        heads = e["num_attention_heads"]
+        hidden, heads = e["hidden_size"], e["num_attention_heads"]
         return DrafterShape(
-            e["hidden_size"], e["intermediate_size"], heads, e.get("num_key_value_heads") or heads,
-            e.get("head_dim") or e["hidden_size"] // heads, e["vocab_size"], e.get("draft_vocab_size") or e["vocab_size"],
-            e.get("target_hidden_size") or e["hidden_size"], len(e.get("eagle_aux_hidden_state_layer_ids") or []) or 3,
-        )  # fmt: skip
+            hidden=hidden,
+            intermediate=e["intermediate_size"],
+            heads=heads,
+            kv_heads=e.get("num_key_value_heads") or heads,
+            head_dim=e.get("head_dim") or hidden // heads,
+            vocab=e["vocab_size"],
+            draft_vocab=e.get("draft_vocab_size") or e["vocab_size"],
+            target_hidden=e.get("target_hidden_size") or hidden,
+            num_aux=len(e.get("eagle_aux_hidden_state_layer_ids") or []) or 3,
+        )
     hidden = d.hidden_size or target.hidden
     return DrafterShape(
         hidden=hidden,

@@ -202,10 +202,9 @@ def test_update_accumulation_over_rollout_rounds():
     from types import SimpleNamespace
 
     from draftopd.config import load_config
-    from draftopd.opd.buffer import ReplayBuffer
     from draftopd.opd.driver import opd_phase
-    from draftopd.opd.runtime import InProcessHandle, InProcessRuntime
     from draftopd.opd.session import DriverState, Session
+    from draftopd.testing import in_process_session
 
     over = ["opd.num_rounds=6", "opd.steps_per_round=2", "opd.accumulate_rounds=3", "learner.batch_size=2"]
     over.append("learner.replay_unit=state")
@@ -231,13 +230,7 @@ def test_update_accumulation_over_rollout_rounds():
             got.append((len(states), lr))
             return {"loss": 1.0, "skipped_nonfinite": 0}
 
-    buffer = ReplayBuffer(cfg.buffer)
-    buffer.add([_traj(4, [(0, 1)] * 8, k=3)])
-    s = SimpleNamespace(cfg=cfg, rt=InProcessRuntime(), buffer=InProcessHandle(buffer), state=DriverState())
-    s.learners, s.nonfinite_in_a_row, s.num_skipped_stale = [InProcessHandle(Learner())], 0, 0
-    s._learner_call = lambda *a: Session._learner_call(s, *a)
-    s._learners_get = lambda *a: Session._learners_get(s, *a)
-    s.opd_lr = lambda *a: Session.opd_lr(s, *a)
+    s = in_process_session(cfg, Learner(), [_traj(4, [(0, 1)] * 8, k=3)])
     m = Session.opd_step(s, 3, 4)
     assert got == [(6, Session.opd_lr(s, 3, 4))] and m["learner/lr"] == got[0][1] < cfg.learner.lr
 

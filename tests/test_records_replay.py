@@ -2,8 +2,6 @@
 (`target_logprobs`, `target_draft_logz`) instead of re-running the target over every rejected step's prefix,
 and the learner's draft-vocabulary restrictions never widen the full vocabulary to fp32."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -232,9 +230,8 @@ def test_session_logs_target_tokens_per_token_under_learner():
     from test_opd_fixes import _traj
 
     from draftopd.config import load_config
-    from draftopd.opd.buffer import ReplayBuffer
-    from draftopd.opd.runtime import InProcessHandle, InProcessRuntime
-    from draftopd.opd.session import DriverState, Session
+    from draftopd.opd.session import Session
+    from draftopd.testing import in_process_session
 
     cfg = load_config(None, ["learner.num_learners=1"])
 
@@ -242,12 +239,6 @@ def test_session_logs_target_tokens_per_token_under_learner():
         def opd_step(self, states, depth, decay, max_len, loss_cfg, lr, unit):
             return {"loss": 1.0, "skipped_nonfinite": 0, "target_tokens_per_token": 1.0}
 
-    buffer = ReplayBuffer(cfg.buffer)
-    buffer.add([_traj(4, [(0, 1)] * 8, k=3)])
-    s = SimpleNamespace(cfg=cfg, rt=InProcessRuntime(), buffer=InProcessHandle(buffer), state=DriverState())
-    s.learners, s.nonfinite_in_a_row, s.num_skipped_stale = [InProcessHandle(Learner())], 0, 0
-    s._learner_call = lambda *a: Session._learner_call(s, *a)
-    s._learners_get = lambda *a: Session._learners_get(s, *a)
-    s.opd_lr = lambda *a: Session.opd_lr(s, *a)
+    s = in_process_session(cfg, Learner(), [_traj(4, [(0, 1)] * 8, k=3)])
     m = Session.opd_step(s, 0, 4)
     assert m["learner/target_tokens_per_token"] == 1.0 and "target_tokens_per_token" not in m

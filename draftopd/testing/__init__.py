@@ -90,3 +90,21 @@ def train_tiny_drafter(target: TargetModel, steps: int = 60, k_depth: int = 3, s
         if trainer.step >= steps:
             break
     return drafter.eval()
+
+
+def in_process_session(cfg, learner, trajectories):
+    """A Session's learner-facing half over one plain learner object and a buffer holding `trajectories`, in
+    process and without Ray: enough to call `Session.opd_step(s, version, ...)` and read what it logs."""
+    from types import SimpleNamespace
+
+    from draftopd.opd.buffer import ReplayBuffer
+    from draftopd.opd.runtime import InProcessHandle, InProcessRuntime
+    from draftopd.opd.session import DriverState, Session
+
+    buffer = ReplayBuffer(cfg.buffer)
+    buffer.add(trajectories)
+    s = SimpleNamespace(cfg=cfg, rt=InProcessRuntime(), buffer=InProcessHandle(buffer), state=DriverState())
+    s.learners, s.nonfinite_in_a_row, s.num_skipped_stale = [InProcessHandle(learner)], 0, 0
+    for name in ("_learner_call", "_learners_get", "opd_lr"):
+        setattr(s, name, getattr(Session, name).__get__(s))
+    return s

@@ -46,3 +46,24 @@ def ray_session():
     ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def learner_and_workers(ray, tiny_pair, tmp_path, micro_batch: int = 2, num_workers: int = 2):
+    """A one-rank DraftLearner (set up, rendezvous on its own node) and rollout workers on Ray, all holding the
+    tiny pair's drafter: the two ends of a collective weight sync."""
+    from draftopd.drafters import save_drafter
+    from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.opd.rollout import RolloutWorker
+    from draftopd.schema import DrafterConfig
+
+    target, drafter = tiny_pair
+    target.model.save_pretrained(tmp_path / "tiny")
+    init = str(save_drafter(drafter, tmp_path / "drafter"))
+    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(kind=drafter.kind), init)
+    learner = ray.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
+    worker_cls = ray.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
+    args = (str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1)
+    workers = [worker_cls.remote(*args, i) for i in range(num_workers)]
+    master = ray.get(learner.free_port.remote())
+    ray.get([learner.setup.remote(micro_batch, master), *[w.pid.remote() for w in workers]])
+    return learner, workers

@@ -241,24 +241,14 @@ def _free_port():
 def test_collective_weight_sync_reaches_every_worker(ray_session, tiny_pair, tmp_path):
     """Learner rank 0 broadcasts into two workers' drafters; a restarted worker refuses, and a new publish heals it."""
     import torch
+    from conftest import learner_and_workers
 
-    from draftopd.config import DrafterConfig
-    from draftopd.drafters import save_drafter
     from draftopd.engine.speculative import SamplingConfig
-    from draftopd.opd.learner import DraftLearner, LearnerSpec
-    from draftopd.opd.rollout import RolloutWorker
     from draftopd.opd.runtime import RayRuntime
     from draftopd.opd.weight_sync import CollectiveSync, StaleWeights
     from draftopd.sft.trainer import SFTExample
 
-    target, drafter = tiny_pair
-    target.model.save_pretrained(tmp_path / "tiny")
-    init = str(save_drafter(drafter, tmp_path / "drafter"))
-    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(kind=drafter.kind), init)
-    learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
-    ray_session.get(learner.setup.remote(2, ("127.0.0.1", _free_port())))
-    worker_cls = ray_session.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
-    workers = [worker_cls.remote(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1, i) for i in (0, 1)]
+    learner, workers = learner_and_workers(ray_session, tiny_pair, tmp_path)
     sync = CollectiveSync(RayRuntime(), "gloo", timeout_s=300)  # actor start-up on busy cores
 
     def same_weights():

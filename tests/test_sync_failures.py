@@ -39,22 +39,12 @@ def _in_thread(fn, seconds: float):
 
 @pytest.mark.parametrize("tiny_pair", ["eagle3"], indirect=True)
 def test_a_worker_killed_mid_broadcast_fails_the_sync_and_a_new_group_heals_it(ray_session, tiny_pair, tmp_path):
-    from draftopd.config import DrafterConfig
-    from draftopd.drafters import save_drafter
-    from draftopd.opd.learner import DraftLearner, LearnerSpec
-    from draftopd.opd.rollout import RolloutWorker
+    from conftest import learner_and_workers
+
     from draftopd.opd.runtime import RayRuntime
     from draftopd.opd.weight_sync import CollectiveSync, WeightSyncError
 
-    target, drafter = tiny_pair
-    target.model.save_pretrained(tmp_path / "tiny")
-    init = str(save_drafter(drafter, tmp_path / "drafter"))
-    spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(kind=drafter.kind), init)
-    learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
-    worker_cls = ray_session.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
-    workers = [worker_cls.remote(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1, i) for i in (0, 1)]
-    master = ray_session.get(learner.free_port.remote())
-    ray_session.get([learner.setup.remote(2, master), *[w.pid.remote() for w in workers]])  # started: joins are quick
+    learner, workers = learner_and_workers(ray_session, tiny_pair, tmp_path)  # started: joins are quick
     timeout_s = 8.0
     sync = CollectiveSync(RayRuntime(), "gloo", timeout_s=timeout_s)
     config = ray_session.get(learner.drafter_config.remote())

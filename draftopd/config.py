@@ -156,6 +156,8 @@ def _check_choices(cfg: Config) -> None:
     o, max_staleness = cfg.opd, cfg.buffer.max_staleness
     if o.accumulate_rounds < 1:
         raise ConfigError(f"opd.accumulate_rounds={o.accumulate_rounds} must be at least 1")
+    if not cfg.sync.timeout_s > 0:  # a group without a deadline hangs on a lost member until NCCL's watchdog
+        raise ConfigError(f"sync.timeout_s={cfg.sync.timeout_s} must be positive")
     if o.steps_per_round + o.sync_every > max_staleness:
         # A round's states would go stale before its last learner step: the step would find none to replay.
         raise ConfigError(

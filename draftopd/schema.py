@@ -296,6 +296,9 @@ class SyncConfig:
     backend: str = "object_store"
     """Weight transport from learner rank 0 to the rollout workers: `object_store` (Ray's object store, any
     cluster), `nccl` (a broadcast group, GPUs) or `gloo` (the same group on CPUs)."""
+    timeout_s: float = 300.0
+    """`nccl` and `gloo`: seconds any one operation of the broadcast group (joining, each tensor) may take before
+    the sync fails, naming the members that did not answer, and the driver forms a new group."""
 
 
 @dataclass

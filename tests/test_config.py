@@ -147,3 +147,14 @@ def test_a_block_too_small_for_the_asked_drafts_is_refused_before_any_work():
         )
     # From a checkpoint (the recipe's drafter.init), the block is the checkpoint's, read when it loads.
     assert load_config(opd, ["drafter.block_size=8"]).drafter.init
+
+
+def test_sync_timeout_is_a_setting_that_reaches_the_collective_sync():
+    from draftopd.opd.runtime import InProcessRuntime
+    from draftopd.opd.weight_sync import make_weight_sync
+
+    with pytest.raises(ConfigError, match=r"sync\.timeout_s=0\.0 must be positive"):
+        load_config(None, ["sync.timeout_s=0"])
+    cfg = load_config(None, ["sync.backend=gloo", "sync.timeout_s=12.5"])
+    sync = make_weight_sync(cfg.sync.backend, InProcessRuntime(), cfg.rollout.backend, cfg.sync.timeout_s)
+    assert sync.timeout_s == 12.5 and sync.transport == "gloo"

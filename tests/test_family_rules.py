@@ -20,7 +20,6 @@ ALLOWED = {
     "plan.py": "the planner's scope: it models EAGLE-3 drafters' memory and step times only",
     "eval/diagnose.py": "diagnose's scope: attention drift is read along EAGLE-3 chains only",
     "vllm_backend/engine.py": "vLLM's speculative method names ('dflash', 'draft_model'), not drafter.kind",
-    "cli/bench.py": "the families bench adds D²SD's and PARD's comparison arms (to move into bench/families.py)",
 }
 
 

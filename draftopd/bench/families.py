@@ -124,6 +124,16 @@ def pard_arms(arm: Arm) -> list[Arm]:
     return [Arm(f"{arm.name}-ti", ti, f"{arm.source} (target-independent mode)", arm.k)]
 
 
+def extra_arms(arm: Arm, naive: bool = True) -> list[Arm]:
+    """The comparison arms a family adds to each of its arms: D²SD its first drafter alone and naive
+    resampling, PARD its target-independent mode; none for the others."""
+    make = EXTRA_ARMS.get(arm.drafters[0].kind)
+    return make(arm, naive) if make else []
+
+
+EXTRA_ARMS = {"d2sd": d2sd_arms, "pard": lambda arm, naive: pard_arms(arm)}
+
+
 def parameter_counts(drafter) -> dict:
     """Trainable parameters, and the shared or frozen tensors of the target the count leaves out."""
     shared, note = SHARED[drafter.kind]

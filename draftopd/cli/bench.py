@@ -353,7 +353,7 @@ def _bench_engines(args) -> None:
 
 
 def _bench_families(args) -> None:
-    from draftopd.bench.families import Arm, bar_plot, d2sd_arms, num_drafts, pard_arms, run_families, table
+    from draftopd.bench.families import Arm, bar_plot, extra_arms, num_drafts, run_families, table
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
     from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
@@ -375,10 +375,7 @@ def _bench_families(args) -> None:
         if len({d.kind for d in drafters}) > 1:
             raise SystemExit(f"--drafters {name}: the directories hold drafters of different families")
         arms.append(Arm(name, drafters, ",".join(map(str, paths)), num_drafts(drafters[0], args.num_draft_tokens)))
-        if drafters[0].kind == "d2sd":
-            arms += d2sd_arms(arms[-1], naive=not args.no_naive_resample)
-        if drafters[0].kind == "pard":
-            arms += pard_arms(arms[-1])
+        arms += extra_arms(arms[-1], naive=not args.no_naive_resample)
     pairs = []
     for item in args.pairs:
         a, sep, b = item.partition("/")

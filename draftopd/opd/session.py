@@ -115,7 +115,7 @@ class Session:
             load_prompts(cfg.data.eval_prompts, "held_out", cfg.opd.num_eval_prompts, cfg.run.seed),
             think,
         )
-        self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt, cfg.rollout.backend)
+        self.weight_sync = make_weight_sync(cfg.sync.backend, self.rt, cfg.rollout.backend, cfg.sync.timeout_s)
         self.eval_k = cfg.eval.num_draft_tokens[0]  # the periodic held-out eval's K (the eval section's first)
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0

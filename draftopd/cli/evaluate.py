@@ -6,19 +6,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftopd.cli.common import add_command, at_least_one, write_json
+from draftopd.cli.common import SHIPPED, add_command, at_least_one, resolve_drafter_path, write_json
 from draftopd.data.eval_sets import EvalSetError
 
 
 def register(sub) -> None:
     p = add_command(sub, "generate", cmd_generate, "decode prompts, with or without a drafter, writing step records")
     _sampling_args(p)
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter directory (omit: target alone)")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        type=resolve_drafter_path,
+        help=f"drafter directory, or {SHIPPED} (omit: target alone)",
+    )
     p.add_argument("--out", required=True, help="output JSONL")
 
     p = add_command(sub, "eval", cmd_eval, "acceptance length and speedup of a drafter on prompt files or named sets")
     _sampling_args(p, multi_k=True)
-    p.add_argument("--drafter", required=True, help="drafter directory (any family)")
+    p.add_argument(
+        "--drafter", required=True, type=resolve_drafter_path, help=f"drafter directory (any family), or {SHIPPED}"
+    )
     p.add_argument(
         "--sets",
         nargs="+",
@@ -35,7 +42,13 @@ def register(sub) -> None:
     p = add_command(
         sub, "diagnose", cmd_diagnose, "attention drift and state norm along a drafter's chain, drafters side by side"
     )
-    p.add_argument("--drafter", nargs="+", required=True, help="one or more EAGLE-3 drafter directories")
+    p.add_argument(
+        "--drafter",
+        nargs="+",
+        required=True,
+        type=resolve_drafter_path,
+        help=f"EAGLE-3 drafter directories, or {SHIPPED}",
+    )
     p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
     p.add_argument("--prompts", default="toy", help="JSONL prompt file, or 'toy' for the toy held-out set")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts whose target responses are analysed")

@@ -186,7 +186,8 @@ def test_a_shipped_drafters_name_is_accepted_where_a_drafter_directory_is(tmp_pa
     from draftopd.cli import build_parser
     from draftopd.loading import ASSETS
 
-    for argv in (["generate", "--out", "o", "--prompts", "toy"], ["eval", "--json", "r"], ["export", "--out", "o"], ["diagnose", "--json", "r"]):
+    commands = (["generate", "--out", "o", "--prompts", "toy"], ["eval", "--json", "r"], ["export", "--out", "o"])
+    for argv in (*commands, ["diagnose", "--json", "r"]):
         for name, folder in (("toy", "toy-eagle3"), ("toy-driftfix", "toy-eagle3-driftfix")):
             args = build_parser().parse_args([*argv, "--drafter", name])
             got = args.drafter[0] if isinstance(args.drafter, list) else args.drafter

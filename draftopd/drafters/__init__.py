@@ -202,7 +202,3 @@ def inspect_checkpoint(path: str | Path, target=None) -> list[str]:
         return [f"family: {found}", *cls.describe(raw, tensors, target)]
     except ValueError as exc:
         raise LoadError(f"drafter {path}: {exc}") from None
-
-
-def export_formats(kind: str) -> tuple[str, ...]:
-    return family(kind).formats

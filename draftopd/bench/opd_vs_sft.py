@@ -12,11 +12,14 @@ the arm is about:
   the data's distribution;
 * `opd`: Draft-OPD with the recipe defaults (learner section of the config);
 * `opd-control`: the same replay without the rejected stream (rej_coef=0): isolates the rejected drafts;
+* `opd-fixed-anchors`: `opd-control`'s loss on rollouts taken once, from the starting drafter, before the first
+  step and never refreshed (as many rollouts as the on-policy arms make): separates where the anchors are from
+  their on-policy refresh;
 * `opd-reference`: the reference's exact mode (two-scalar Bernoulli forward proxy on the accepted stream, k3
   against the recorded full-vocabulary log-probs, full-TTT accepted rows);
 * search arms (`--arms`): other rejected-stream forms (`opd-tv`, `opd-margin`, `opd-margin-first`,
-  `opd-k3-first`, `opd-stream-means`), and `opd-cat` / `opd-control-cat`: `opd` / `opd-control` with PARD-2's
-  CAT weights on the accepted stream (learner.accepted_cat).
+  `opd-k3-first`, `opd-tv-first`, `opd-stream-means`), and `opd-cat` / `opd-control-cat`: `opd` /
+  `opd-control` with PARD-2's CAT weights on the accepted stream (learner.accepted_cat).
 
 Seeds pair the arms (same held-out prompts, same start); the report gives each arm's held-out tau per seed,
 toy set and K, and paired differences and ratios against the baselines with 95% t-intervals over seeds.
@@ -53,11 +56,13 @@ ARMS: dict[str, dict] = {
     "sft-rollout-temp": {"data": "rollout"},
     "opd": {},
     "opd-control": {"rej_coef": 0.0},
+    "opd-fixed-anchors": {"rej_coef": 0.0, "fixed": True},
     "opd-reference": {"accepted_divergence": "bernoulli_fkl", "k3_full_vocab_target": True, "rejection_loss": "k3"},
     "opd-tv": {"rejection_loss": "tv"},
     "opd-margin": {"rejection_loss": "margin"},
     "opd-margin-first": {"rejection_loss": "margin", "rejected_offsets": "first"},
     "opd-k3-first": {"rejection_loss": "k3", "rejected_offsets": "first"},
+    "opd-tv-first": {"rejection_loss": "tv", "rejected_offsets": "first"},
     "opd-stream-means": {"normalisation": "stream_means"},
     "opd-cat": {"accepted_cat": True},
     "opd-control-cat": {"rej_coef": 0.0, "accepted_cat": True},
@@ -85,10 +90,15 @@ class BenchSettings:
     steps_per_round: int = 1
     max_staleness: int = 4
     max_new_tokens: int = 96
-    max_seq_len: int = 320
+    max_seq_len: int = 0
+    """Longest replayed sequence; 0: the longest prompt plus max_new_tokens (set by run_bench)."""
     decay: float = 0.8
     pool_temperature: float = 0.5
     rollout_temperature: float = 0.0
+    eval_temperature: float = 0.0
+    """Held-out tau is measured at this temperature: the one the drafter will be served at."""
+    eval_samples: int = 1
+    """Sampling seeds held-out tau is averaged over when eval_temperature > 0 (the same seeds for every arm)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     arms: tuple[str, ...] = DEFAULT_ARMS
     learner: dict = field(default_factory=dict)
@@ -98,7 +108,7 @@ class BenchSettings:
 def arm_loss(name: str, s: BenchSettings) -> OPDLossConfig:
     """The loss of arm `name`: the recipe's learner defaults, the bench's overrides, then the arm's own."""
     base = dataclasses.replace(LearnerConfig(), **s.learner)
-    own = {k: v for k, v in ARMS[name].items() if k != "data"}
+    own = {k: v for k, v in ARMS[name].items() if k not in ("data", "fixed")}
     return dataclasses.replace(opd_loss_config(base), **own)
 
 
@@ -137,11 +147,24 @@ def epoch_batches(n: int, batch_size: int, rng: random.Random):
         yield picked
 
 
-def held_out(drafter, target, eos, prompts, k: int, seed: int, max_new_tokens: int) -> dict:
-    trajs = SpeculativeEngine(target, drafter.eval(), eos).generate(
-        prompts, SamplingConfig(max_new_tokens, 0.0, k, seed)
-    )
-    return acceptance_stats(trajs, k)
+def held_out(
+    drafter, target, eos, prompts, k: int, seed: int, max_new_tokens: int, temperature: float = 0.0, samples: int = 1
+) -> dict:
+    """Acceptance on `prompts` at `temperature`; above 0, tau is the mean over `samples` sampling seeds (seed*1000
+    + j, so two drafters measured with the same seed see the same sampling seeds: a paired comparison)."""
+    engine = SpeculativeEngine(target, drafter.eval(), eos)
+    if temperature <= 0:
+        return acceptance_stats(engine.generate(prompts, SamplingConfig(max_new_tokens, 0.0, k, seed)), k)
+    runs = [
+        acceptance_stats(engine.generate(prompts, SamplingConfig(max_new_tokens, temperature, k, seed * 1000 + j)), k)
+        for j in range(max(samples, 1))
+    ]
+    return {"tau": sum(r["tau"] for r in runs) / len(runs), "tau_per_sample": [r["tau"] for r in runs]}
+
+
+def _tau(drafter, target, eos, prompts, k: int, seed: int, s: BenchSettings) -> float:
+    """Held-out tau at the bench's serving temperature."""
+    return held_out(drafter, target, eos, prompts, k, seed, s.max_new_tokens, s.eval_temperature, s.eval_samples)["tau"]
 
 
 class _Rows:
@@ -153,26 +176,29 @@ class _Rows:
         self.batches = epoch_batches(len(texts), s.batch_size, random.Random(seed))
         self.buffer = ReplayBuffer(BufferConfig(capacity=4096, max_staleness=s.max_staleness, seed=seed))
         self.next_prompt, self.rollout_s, self.rollout_tokens, self.recorded = seed * 7919, 0.0, 0, 0
+        self.versions: list[int] = []  # the policy version of every rollout trajectory, in order
 
     def sft_batch(self) -> list:
         return [self.texts[i] for i in next(self.batches)]
 
-    def rollout(self, version: int) -> None:
+    def rollout(self, version: int, seed_offset: int | None = None) -> None:
         s, n = self.s, len(self.prompts)
         chunk = [self.prompts[(self.next_prompt + i) % n] for i in range(s.rollout_prompts)]
         self.next_prompt += s.rollout_prompts
         t0 = time.perf_counter()
-        sampling = SamplingConfig(s.max_new_tokens, s.rollout_temperature, s.num_draft_tokens, self.seed + version)
+        offset = version if seed_offset is None else seed_offset
+        sampling = SamplingConfig(s.max_new_tokens, s.rollout_temperature, s.num_draft_tokens, self.seed + offset)
         trajs = SpeculativeEngine(self.target, self.drafter.eval(), self.eos).generate(chunk, sampling, version)
         self.rollout_s += time.perf_counter() - t0
         self.rollout_tokens += sum(len(t.output_ids) for t in trajs)
+        self.versions += [t.policy_version for t in trajs]
         self.recorded += self.buffer.add(trajs)
 
 
 def train_arm(name: str, drafter, target, eos, prompts, texts, curve_prompts, s: BenchSettings, seed: int) -> dict:
     """`s.steps` optimizer steps of arm `name`; returns its compute, shares and the curve of held-out tau."""
     torch.manual_seed(seed)
-    loss_cfg, sft = arm_loss(name, s), "data" in ARMS[name]
+    loss_cfg, sft, fixed = arm_loss(name, s), "data" in ARMS[name], ARMS[name].get("fixed", False)
     opt = _optimizer(drafter, s.lr)
     t2d = target_to_draft_index(drafter.draft_to_target_ids(), target.vocab_size)
     rows = _Rows(name, drafter, target, eos, prompts, texts, s, seed)
@@ -180,17 +206,21 @@ def train_arm(name: str, drafter, target, eos, prompts, texts, curve_prompts, s:
     shares, curve = [], []
 
     def point():
-        tau = held_out(drafter, target, eos, curve_prompts, s.num_draft_tokens, seed, s.max_new_tokens)["tau"]
+        tau = _tau(drafter, target, eos, curve_prompts, s.num_draft_tokens, seed, s)
         curve.append({"step": len(shares), "learner_tokens": totals["tokens"], "tau": tau})
 
     point()
+    if fixed:  # every rollout the on-policy arms make, all from the starting drafter, as policy version 0
+        rows.buffer = ReplayBuffer(BufferConfig(capacity=1 << 20, max_staleness=1 << 30, seed=seed))
+        for k in range(0, s.steps, s.steps_per_round):
+            rows.rollout(0, seed_offset=k)
     for step in tqdm(range(s.steps), desc=f"seed {seed} {name}", unit="step", leave=False):
         if sft:
             batch = sequence_batch(rows.sft_batch(), s.depth, s.decay, s.max_seq_len)
         else:
-            if step % s.steps_per_round == 0:
+            if step % s.steps_per_round == 0 and not fixed:
                 rows.rollout(step)
-            states = rows.buffer.sample_trajectories(s.batch_size, step)
+            states = rows.buffer.sample_trajectories(s.batch_size, 0 if fixed else step)
             batch = build_replay_batch(
                 states,
                 t2d,
@@ -227,6 +257,8 @@ def train_arm(name: str, drafter, target, eos, prompts, texts, curve_prompts, s:
             "tokens_per_s": rows.rollout_tokens / max(rows.rollout_s, 1e-9),
             "error_states_recorded": rows.recorded,
             "error_states_sampled": stats["num_sampled"],
+            "trajectories": len(rows.versions),
+            "policy_versions": sorted(set(rows.versions)),
         }
     return out
 
@@ -282,6 +314,9 @@ def run_bench(target, eos, load_start, train_prompts, eval_sets: dict[str, list]
         if name not in ARMS:
             raise ValueError(f"unknown bench arm {name!r}; known: {', '.join(ARMS)}")
     head = next(iter(eval_sets))
+    if not s.max_seq_len:
+        longest = max(len(p) for p in train_prompts)
+        s = dataclasses.replace(s, max_seq_len=longest + s.max_new_tokens)
     engine = SpeculativeEngine(target, None, eos)
     results: dict[str, dict] = {name: {"seeds": {}} for name in s.arms}
     start, where = {}, {}
@@ -293,18 +328,14 @@ def run_bench(target, eos, load_start, train_prompts, eval_sets: dict[str, list]
         first = load_start()
         where[seed] = rejection_points(target, first, eos, train_prompts, s.num_draft_tokens, s.max_new_tokens, seed)
         start[seed] = {
-            f"{n}/k{k}": held_out(first, target, eos, p, k, seed, s.max_new_tokens)["tau"]
-            for n, p in eval_sets.items()
-            for k in s.eval_ks
+            f"{n}/k{k}": _tau(first, target, eos, p, k, seed, s) for n, p in eval_sets.items() for k in s.eval_ks
         }
         for name in s.arms:
             drafter = load_start()
             data = ARMS[name].get("data", "rollout")
             info = train_arm(name, drafter, target, eos, train_prompts, texts[data], eval_sets[head], s, seed)
             info["tau"] = {
-                f"{n}/k{k}": held_out(drafter, target, eos, p, k, seed, s.max_new_tokens)["tau"]
-                for n, p in eval_sets.items()
-                for k in s.eval_ks
+                f"{n}/k{k}": _tau(drafter, target, eos, p, k, seed, s) for n, p in eval_sets.items() for k in s.eval_ks
             }
             results[name]["seeds"][seed] = info
             tqdm.write(f"seed {seed} {name}: held-out tau {info['tau'][f'{head}/k{s.num_draft_tokens}']:.3f}")

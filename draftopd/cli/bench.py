@@ -63,6 +63,15 @@ def _opd_vs_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of depth d is decay**d")
     p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     p.add_argument("--rollout-temperature", type=float, default=0.0, help="Draft-OPD rollouts")
+    p.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=None,
+        help="held-out tau at this temperature, the serving one (default: --rollout-temperature)",
+    )
+    p.add_argument(
+        "--eval-samples", type=int, default=2, help="sampling seeds held-out tau averages over when temperature > 0"
+    )
     p.add_argument("--pool-temperature", type=float, default=0.5, help="the offline pool's sampling temperature")
     p.add_argument("--learner", nargs="*", default=[], help="learner overrides FIELD=VALUE (all OPD arms)")
 
@@ -187,6 +196,8 @@ def _bench_opd_vs_sft(args) -> None:
         seeds=tuple(args.seeds),
         arms=tuple(args.arms or DEFAULT_ARMS),
         rollout_temperature=args.rollout_temperature,
+        eval_temperature=args.rollout_temperature if args.eval_temperature is None else args.eval_temperature,
+        eval_samples=args.eval_samples,
         pool_temperature=args.pool_temperature,
         max_new_tokens=args.max_new_tokens,
         learner=_learner_overrides(args.learner),

@@ -154,6 +154,12 @@ class ServeLearner:
     # -- the thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except SystemExit:  # kill(): the thread ends where it was
+            pass
+
+    def _loop(self) -> None:
         torch.set_num_threads(self.s.threads)
         torch.manual_seed(self.s.seed)
         self._rng = random.Random(self.s.seed)

@@ -30,11 +30,13 @@ META = "traffic.json"
 
 @dataclass
 class Record:
-    """One served request: the trajectory, the wall-clock time it was recorded, its domain, and its text only
-    when the buffer keeps text."""
+    """One served request: the trajectory, the wall-clock time it was recorded, its place in the order of arrival
+    (`seq`, counting every trajectory the buffer ever took), its domain, and its text only when the buffer keeps
+    text."""
 
     trajectory: Trajectory
     added_at: float
+    seq: int
     domain: str = ""
     text: str | None = None
 
@@ -74,7 +76,7 @@ class TrafficBuffer:
         with self._lock:
             for i, t in enumerate(trajs):
                 text = texts[i] if texts is not None and self.keep_text else None
-                rec = Record(t, now, domains[i] if domains else "", text)
+                rec = Record(t, now, self.num_added, domains[i] if domains else "", text)
                 held = self.num_added % self.holdout_every == self.holdout_every - 1
                 (self._held if held else self._train).append(rec)
                 self.num_added += 1
@@ -89,7 +91,7 @@ class TrafficBuffer:
             return self._train
         if not self._train:
             return self._held
-        return self._train if self._train[0].added_at <= self._held[0].added_at else self._held
+        return self._train if self._train[0].seq < self._held[0].seq else self._held
 
     def _expire(self, now: float) -> None:
         """Drop what is older than the retention (both slices); called under the lock."""
@@ -172,10 +174,10 @@ class TrafficBuffer:
         for line in path.read_text().splitlines():
             if line.strip():
                 d = json.loads(line)
-                rec = Record(Trajectory.from_dict(d["trajectory"]), d["added_at"], d.get("domain", ""))
+                rec = Record(Trajectory.from_dict(d["trajectory"]), d["added_at"], d["seq"], d.get("domain", ""))
                 rec.text = d.get("text") if buf.keep_text else None
                 records.append((d["split"], rec))
-        records.sort(key=lambda x: x[1].added_at)
+        records.sort(key=lambda x: x[1].seq)
         for split, rec in records[-capacity:]:
             (buf._held if split == "holdout" else buf._train).append(rec)
         if meta.is_file():
@@ -187,7 +189,8 @@ class TrafficBuffer:
 
 
 def _line(rec: Record, split: str) -> dict:
-    out = {"split": split, "added_at": rec.added_at, "domain": rec.domain, "trajectory": rec.trajectory.to_dict()}
+    out = {"split": split, "seq": rec.seq, "added_at": rec.added_at, "domain": rec.domain}
+    out["trajectory"] = rec.trajectory.to_dict()
     if rec.text is not None:
         out["text"] = rec.text
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftopd.cli import bench, cluster, convert, evaluate, train
+from draftopd.cli import bench, cluster, convert, evaluate, serve, train
 from draftopd.cli.common import Parser
 from draftopd.config import ConfigError
 from draftopd.data.eval_sets import EvalSetError
@@ -33,16 +33,17 @@ USER_ERRORS = (
     PermissionError,
 )
 
-# `draftopd --help` lists the commands under these headings, in this order (there is no serve command: `export`
-# prints the `vllm serve` / SGLang command for what it wrote).
+# `draftopd --help` lists the commands under these headings, in this order (`export` also prints the `vllm serve` /
+# SGLang command for what it wrote; `serve` is vLLM's server with draftopd's recording hook and learner).
 GROUPS = {
     "train": ("train", "plan", "ui"),
     "evaluate": ("eval", "generate", "diagnose", "rejections"),
     "inspect and convert": ("export", "inspect", "prepare-data", "make-toy-target", "make-toy-draft-lm"),
+    "serve": ("serve", "rollback"),
     "cluster": ("cluster",),
     "benchmarks": ("bench",),
 }
-MODULES = (train, evaluate, convert, cluster, bench)
+MODULES = (train, evaluate, convert, serve, cluster, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

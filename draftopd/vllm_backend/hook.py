@@ -163,6 +163,7 @@ class RecordingExtension:
                 _fail_v2(f"the worker runs {type(runner).__module__}.{type(runner).__qualname__}")
             _fail("the model runner's _sample/input_batch")
         state = {"steps": defaultdict(list), "pending": {}, "captured": [], "has_drafter": drafter is not None}
+        state["ctx"] = {}  # per request, from its first recorded step: what draftopd_take_finished returns with it
         runner._draftopd = state
         _wrap_sample(runner, state)
         if drafter is not None:
@@ -178,6 +179,26 @@ class RecordingExtension:
         out = {rid: steps for rid, steps in state["steps"].items()}
         state["steps"].clear()
         state["pending"].clear()
+        state["ctx"].clear()
+        return out
+
+    def draftopd_take_finished(self) -> dict:
+        """The records of every request this worker no longer holds (finished or aborted), then forgotten; those
+        still running stay. For a server, whose requests end at any time: {req_id: {"prompt_ids", "output_before"
+        (tokens emitted before its first recorded step), "output_ids" (all the worker emitted, past a stop token
+        or max_tokens too: the caller cuts), "temperature", "max_tokens", "stop_ids", "versions" (drafter versions
+        that drafted its steps: `draftopd_reload_drafter`'s, None before the first reload), "steps" (as
+        `draftopd_records`)}}."""
+        runner = self.model_runner
+        state = runner._draftopd
+        out = {}
+        for rid in [r for r in state["steps"] if r not in runner.requests]:
+            ctx = state["ctx"].pop(rid, None) or {}
+            state["pending"].pop(rid, None)
+            req = ctx.pop("req", None)
+            ctx["output_ids"] = list(req.output_token_ids) if req is not None else None
+            ctx["versions"] = sorted(ctx.get("versions", ()), key=lambda v: -1 if v is None else v)
+            out[rid] = {**ctx, "steps": state["steps"].pop(rid)}
         return out
 
     def draftopd_reload_drafter(self, safetensors_bytes: bytes, version: int) -> int:
@@ -258,11 +279,32 @@ def _record_step(runner, state, num_drafts, drafts, target_lp, sampled, logz) ->
         if n == 0:
             continue
         rid = req_ids[i]
+        _stash(runner, state, rid)
         emitted = [t for t in sampled[i] if t != PLACEHOLDER]
         draft_lp = state["pending"].pop(rid, None)
         block = slice(offset, offset + n)
         state["steps"][rid].append([drafts[block], target_lp[block], draft_lp, len(emitted) - 1, emitted, logz[block]])
         offset += n
+
+
+def _stash(runner, state, rid) -> None:
+    """At a request's first recorded step (before its tokens are appended): its prompt, output so far and
+    sampling settings, and the runner's request state, whose output the worker keeps extending; at every step,
+    the drafter version that drafted it."""
+    ctx = state["ctx"].get(rid)
+    if ctx is None:
+        req = runner.requests.get(rid)
+        params = getattr(req, "sampling_params", None)
+        ctx = state["ctx"][rid] = {
+            "req": req,
+            "prompt_ids": list(getattr(req, "prompt_token_ids", None) or []),
+            "output_before": list(getattr(req, "output_token_ids", None) or []),
+            "temperature": float(getattr(params, "temperature", 0.0)),
+            "max_tokens": getattr(params, "max_tokens", None),
+            "stop_ids": sorted(getattr(params, "all_stop_token_ids", ()) or ()),
+            "versions": set(),
+        }
+    ctx["versions"].add(getattr(runner, "_draftopd_version", None))
 
 
 def _wrap_proposer(runner, drafter, state: dict) -> None:

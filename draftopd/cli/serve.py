@@ -1,0 +1,120 @@
+"""Commands `serve` (vLLM's OpenAI-compatible server with the recording hook and, optionally, a learner beside it)
+and `rollback` (asks a running server to serve its previous drafter version again)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from draftopd.cli.common import SHIPPED, add_command, at_least_one
+
+
+def register(sub) -> None:
+    p = add_command(
+        sub,
+        "serve",
+        cmd_serve,
+        "serve a target and drafter through vLLM's OpenAI API, recording traffic (and learning from it)",
+        description="vLLM's OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /metrics) "
+        "over the target with the drafter as its speculator and draftopd's recording hook; /draftopd/status and "
+        "/draftopd/rollback beside them. Bound to 127.0.0.1 unless --host says otherwise (then an API key is "
+        "required).",
+    )
+    p.add_argument("--target", default="toy", help="the target model's directory (`toy`: the shipped toy target)")
+    p.add_argument("--drafter", default="toy", help=f"a drafter directory, or {SHIPPED}")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback: --api-key is required")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default="", help="bearer token for /v1/* and /draftopd/* (or DRAFTOPD_API_KEY)")
+    p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per verification step")
+    p.add_argument("--learning", choices=["on", "off"], default="off", help="train the drafter on the traffic")
+    p.add_argument("--record", choices=["on", "off"], default="on", help="the recording hook (off: no buffer)")
+    p.add_argument("--run-dir", default="serve-run", help="drafter versions, saved traffic, MLflow store")
+    p.add_argument("--buffer-capacity", type=at_least_one, default=4096, help="trajectories kept in memory")
+    p.add_argument("--keep-text", action="store_true", help="keep the traffic's text, not only its token ids")
+    p.add_argument("--retention-s", type=float, default=None, help="drop recorded traffic older than this")
+    p.add_argument("--rollback-window", type=at_least_one, default=32, help="requests before auto-rollback judges")
+    p.add_argument("--dtype", default="float32", help="vLLM's dtype for the target and drafter")
+    p.add_argument("--max-model-len", type=at_least_one, default=2048)
+    p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
+    p.add_argument("--served-model-name", default="", help="the model name clients send (default: target's dir)")
+    p.add_argument("--learner", nargs="*", default=[], metavar="FIELD=VALUE", help="LearnerSettings overrides")
+
+    r = add_command(sub, "rollback", cmd_rollback, "make a running `draftopd serve` serve its previous drafter")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    r.add_argument("--api-key", default="", help="the server's API key (or DRAFTOPD_API_KEY)")
+
+
+def settings_from(args):
+    from draftopd.serve.settings import ServeSettings
+
+    return ServeSettings(
+        target=args.target,
+        drafter=args.drafter,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("DRAFTOPD_API_KEY", ""),
+        num_draft_tokens=args.num_draft_tokens,
+        learning=args.learning == "on",
+        record=args.record == "on",
+        run_dir=args.run_dir,
+        buffer_capacity=args.buffer_capacity,
+        keep_text=args.keep_text,
+        retention_s=args.retention_s,
+        rollback_window=args.rollback_window,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        memory_fraction=args.memory_fraction,
+        served_model_name=args.served_model_name or ("toy" if args.target == "toy" else ""),
+        learner=_overrides(args.learner),
+    )
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            from draftopd.config import ConfigError
+
+            raise ConfigError(f"--learner takes FIELD=VALUE, not {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def cmd_serve(args) -> int:
+    from draftopd.serve.settings import refusal
+
+    settings = settings_from(args)
+    why = refusal(settings)
+    if why:
+        print(f"draftopd serve: error: {why}", file=sys.stderr)
+        return 2
+    from draftopd.serve.server import serve
+
+    return serve(settings)
+
+
+def cmd_rollback(args) -> int:
+    import urllib.error
+    import urllib.request
+
+    key = args.api_key or os.environ.get("DRAFTOPD_API_KEY", "")
+    req = urllib.request.Request(args.url.rstrip("/") + "/draftopd/rollback", data=b"{}", method="POST")
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"draftopd rollback: error: {exc.code} {exc.read().decode(errors='replace').strip()}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as exc:
+        print(f"draftopd rollback: error: no server at {args.url} ({exc.reason})", file=sys.stderr)
+        return 1
+    print(f"serving drafter version {body['version']}")
+    return 0

@@ -1,0 +1,337 @@
+"""`draftopd serve`: vLLM's own OpenAI-compatible server over an engine with draftopd's recording hook.
+
+Built in this process from vLLM's parts, as `vllm serve` builds itself
+(vllm/entrypoints/launchers/api_server/entry.py): vLLM's argument parser gives the namespace its app reads,
+`AsyncLLM.from_vllm_config` starts the engine (its core in a process of its own, with the worker extension that
+records and reloads), `build_app` + `init_app_state` give vLLM's routes (`/v1/completions`,
+`/v1/chat/completions`, `/v1/models`, `/metrics`, ...) and `serve_http` serves them. Beside them: `GET
+/draftopd/status`, `POST /draftopd/rollback`, `POST /draftopd/promote` (a drafter directory on this machine,
+for an operator's push), draftopd's gauges on vLLM's `/metrics` registry, and the session's background task
+(session.py). vLLM's API key guards `/v1/*` only, so `/draftopd/*` checks the same key itself.
+
+The drafter serving first is the run directory's last promoted version (serving.json, else the version store's
+newest); a new run directory starts by storing the given drafter as version 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from draftopd.serve.session import ServeSession, StoredDrafter, SwapError, version_path
+from draftopd.serve.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+
+def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
+    """The session of `s.run_dir` (made when new) and the drafter directory vLLM starts with."""
+    from draftopd.drafters import family, read_raw
+    from draftopd.loading import LoadError, resolve_drafter_path
+    from draftopd.serve.traffic import TrafficBuffer
+    from draftopd.serve.versions import VersionStore
+
+    run = Path(s.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    store = VersionStore(run, keep=s.keep_versions)
+    version, history = resume_point(run, store)
+    if version is None:  # a new run: the given drafter is version 0
+        src = resolve_drafter_path(s.drafter)
+        store.save(StoredDrafter.read(src), 0, {"source": str(Path(src).resolve())})
+        version, history = 0, [0]
+    path = version_path(store, version)
+    kind = read_raw(path)[0]
+    try:
+        spec = family(kind).speculative_config(path, s.num_draft_tokens)
+    except ValueError as exc:
+        raise LoadError(f"drafter {path}: {exc}") from None
+    if s.learning and spec["method"] != "eagle3":
+        raise LoadError(
+            f"--learning on: a '{kind}' drafter cannot take live weight pushes in vLLM (EAGLE-3 only); serve it "
+            "with --learning off"
+        )
+    buffer = TrafficBuffer.load(
+        run / "traffic", s.buffer_capacity, keep_text=s.keep_text, seed=s.seed, retention_s=s.retention_s or 0.0
+    )
+    return ServeSession(s, kind, spec["method"], store, buffer, version, history), str(path)
+
+
+def resume_point(run: Path, store) -> tuple[int | None, list[int]]:
+    """(version serving, versions served before it) from serving.json, else the store's newest; None: new."""
+    saved = run / "serving.json"
+    known = {v for v, _ in store.list()}
+    if saved.is_file():
+        row = json.loads(saved.read_text())
+        history = [v for v in row.get("history", []) if v in known]
+        if row.get("version") in known:
+            return row["version"], history or [row["version"]]
+    latest = store.latest()
+    return (latest[0], [latest[0]]) if latest else (None, [])
+
+
+def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
+    """The namespace vLLM's own server reads (`vllm serve`'s parser), from draftopd's settings."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from draftopd.vllm_backend.hook import EXTENSION
+
+    argv = ["--model", target_dir, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype]
+    argv += ["--max-model-len", str(s.max_model_len), "--gpu-memory-utilization", str(s.memory_fraction)]
+    argv += ["--seed", str(s.seed), "--worker-extension-cls", EXTENSION, "--uvicorn-log-level", "warning"]
+    argv += ["--disable-uvicorn-access-log", "--served-model-name", s.served_model_name or Path(target_dir).name]
+    if s.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec:
+        argv += ["--speculative-config", json.dumps(spec)]
+    if s.api_key:
+        argv += ["--api-key", s.api_key]
+    return make_arg_parser(FlexibleArgumentParser(prog="draftopd serve")).parse_args(argv)
+
+
+def serve(s: ServeSettings) -> int:
+    """Run the server until interrupted (SIGINT/SIGTERM); the session is saved on the way out."""
+    from draftopd.vllm_backend.engine import check_install
+
+    check_install()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
+    session, drafter_dir = open_session(s)
+    import uvloop
+
+    uvloop.run(_serve(s, session, drafter_dir))
+    return 0
+
+
+async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> None:
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from draftopd.drafters import family
+    from draftopd.loading import resolve_target_path
+
+    target_dir = str(resolve_target_path(s.target).resolve())
+    spec = family(session.kind).speculative_config(drafter_dir, s.num_draft_tokens)
+    args = vllm_args(s, target_dir, spec)
+    listen, sock = setup_server(args, reuse_port=False)  # bound before the engine starts, as vLLM does
+    engine = _start_engine(args, s.record)
+    try:
+        if s.record:
+            await engine.collective_rpc("draftopd_install")
+        supported = await engine.get_supported_tasks()
+        app = build_app(args, supported, engine.model_config)
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+        await init_app_state(engine, app.state, args, supported)
+        add_routes(app, session, s.api_key)
+        collector = register_metrics(session)
+        session.start(engine, _tokenizer(target_dir), _tracker(s, session))
+        if s.learning:
+            start_learner(s, session, target_dir)
+        log.warning(
+            "draftopd serve: %s, drafter version %d (%s), run directory %s",
+            listen,
+            session.version,
+            session.kind,
+            s.run_dir,
+        )
+        print(f"draftopd serve: listening on {listen}", flush=True)
+        shutdown = await serve_http(
+            app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=False
+        )
+        await shutdown
+    finally:
+        await session.close()
+        _unregister(locals().get("collector"))
+        engine.shutdown()
+        sock.close()
+
+
+def _start_engine(args, record: bool):
+    """vLLM's AsyncLLM over the args' config, on the V1 model runner the hook wraps (checked before it starts)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from draftopd.vllm_backend.hook import check_internals, check_runner, pin_v1_runner
+
+    if pin_v1_runner():
+        log.warning("vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0): the recording hook wraps it")
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    check_internals(config) if record else check_runner(config)
+    return AsyncLLM.from_vllm_config(
+        vllm_config=config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+
+
+def _tokenizer(target_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def _tracker(s: ServeSettings, session: ServeSession):
+    """One MLflow run per serving session in the run directory's store; None when MLflow cannot start."""
+    from draftopd.tracking import Tracker
+
+    try:
+        tracker = Tracker(Path(s.run_dir), experiment="draftopd-serve", run_name=f"serve-v{session.version}")
+        tracker.start()
+        tracker.log_params({k: v for k, v in vars(s).items() if k != "api_key"} | {"drafter_kind": session.kind})
+        return tracker
+    except Exception:
+        log.exception("draftopd serve: MLflow tracking is off (the run could not start)")
+        return None
+
+
+# -- the learner beside the server --------------------------------------------------------------------------
+
+
+def start_learner(s: ServeSettings, session: ServeSession, target_dir: str) -> None:
+    """The learner on its own thread, training a copy of the serving drafter on the buffer; its proposals are
+    pushed on the server's loop (session.propose). Failures to start it are logged: serving goes on."""
+    from draftopd.drafters import load_drafter, read_raw
+    from draftopd.loading import eos_ids, load_target, load_tokenizer
+    from draftopd.serve.learner import LearnerSettings, ServeLearner
+
+    try:
+        path = version_path(session.store, session.version)
+        ids = s.aux_layer_ids or read_raw(path)[1].get("eagle_aux_hidden_state_layer_ids") or None
+        target = load_target(target_dir, ids, s.dtype)
+        drafter = load_drafter(path, target)
+        settings = LearnerSettings(**{"num_draft_tokens": s.num_draft_tokens, **s.learner})
+        eos = eos_ids(load_tokenizer(target_dir), target_dir)
+        session.learner = ServeLearner(
+            target, drafter, session.buffer, settings, session.propose, session.learner_log, eos
+        )
+        session.learner.start()
+    except Exception:
+        log.exception("draftopd serve: the learner did not start (serving goes on without it)")
+        session.learner = None
+
+
+# -- draftopd's routes and gauges ---------------------------------------------------------------------------
+
+
+def add_routes(app, session: ServeSession, api_key: str) -> None:
+    from starlette.responses import JSONResponse
+
+    tokens = [hashlib.sha256(api_key.encode()).digest()] if api_key else []
+
+    def allowed(request) -> bool:
+        if not tokens:
+            return True
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(value.encode()).digest()
+        return scheme.lower() == "bearer" and any(secrets.compare_digest(digest, t) for t in tokens)
+
+    def denied() -> JSONResponse:
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
+    async def status(request):
+        if not allowed(request):
+            return denied()
+        from draftopd.cli.common import finite
+
+        return JSONResponse(finite(session.status()))
+
+    async def rollback(request):
+        if not allowed(request):
+            return denied()
+        try:
+            version = await session.rollback("requested by POST /draftopd/rollback")
+        except SwapError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        return JSONResponse({"version": version})
+
+    async def promote(request):
+        """An operator's push: {"path": drafter directory on this machine}, same family and shape."""
+        if not allowed(request):
+            return denied()
+        body = await request.json()
+        try:
+            drafter = await asyncio.get_running_loop().run_in_executor(None, _read_candidate, session, body["path"])
+            version = await session.promote(drafter, evidence={"source": str(body["path"]), "manual": True})
+        except (SwapError, ValueError, KeyError, OSError) as exc:
+            return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=409)
+        return JSONResponse({"version": version})
+
+    # Starlette routes: the handlers take the request as is (no FastAPI parameter inference)
+    app.add_route("/draftopd/status", status, methods=["GET"])
+    app.add_route("/draftopd/rollback", rollback, methods=["POST"])
+    app.add_route("/draftopd/promote", promote, methods=["POST"])
+
+
+def _read_candidate(session: ServeSession, path: str) -> StoredDrafter:
+    """A drafter directory of the serving drafter's family and shape (vLLM reloads in place: no new shapes)."""
+    from draftopd.drafters import read_raw
+
+    kind, _ = read_raw(path)
+    if kind != session.kind:
+        raise ValueError(f"{path} holds a '{kind}' drafter; a '{session.kind}' one is serving")
+    new = StoredDrafter.read(path)
+    old = StoredDrafter.read(version_path(session.store, session.version)).state()
+    shapes = {k: tuple(v.shape) for k, v in new.state().items()}
+    if shapes != {k: tuple(v.shape) for k, v in old.items()}:
+        raise ValueError(f"{path}: its tensors' names or shapes differ from the serving drafter's")
+    return new
+
+
+class DraftopdCollector:
+    """draftopd's gauges, read from the session at each scrape of vLLM's /metrics."""
+
+    def __init__(self, session: ServeSession):
+        self.session = session
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.session.status()
+        buf = st["buffer"]
+        yield GaugeMetricFamily("draftopd_drafter_version", "drafter version serving", value=st["version"])
+        yield GaugeMetricFamily(
+            "draftopd_buffer_trajectories",
+            "trajectories in the traffic buffer",
+            value=buf.get("trajectories", 0),
+        )
+        yield GaugeMetricFamily("draftopd_learner_steps", "learner optimizer steps", value=st["learner"]["steps"])
+        yield CounterMetricFamily("draftopd_promotions", "drafter versions promoted", value=st["learner"]["promotions"])
+        yield CounterMetricFamily(
+            "draftopd_rejections", "candidates the guard refused", value=st["learner"]["rejections"]
+        )
+        yield CounterMetricFamily("draftopd_rollbacks", "rollbacks", value=st["requests"]["rollbacks"])
+        yield CounterMetricFamily(
+            "draftopd_recorded_requests", "finished requests recorded", value=st["requests"]["requests"]
+        )
+        tau = GaugeMetricFamily("draftopd_live_tau", "live tau per drafter version", labels=["version"])
+        for v, row in st["live"].items():
+            if row["steps"]:
+                tau.add_metric([v], row["tau"])
+        yield tau
+
+
+def register_metrics(session: ServeSession):
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    collector = DraftopdCollector(session)
+    get_prometheus_registry().register(collector)
+    return collector
+
+
+def _unregister(collector) -> None:
+    if collector is None:
+        return
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    try:
+        get_prometheus_registry().unregister(collector)
+    except KeyError:
+        pass

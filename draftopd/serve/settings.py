@@ -1,0 +1,62 @@
+"""ServeSettings: what `draftopd serve` is told (the command line's flags), with the defaults in one place."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass
+class ServeSettings:
+    """One serving session. Defaults suit the toy target on CPU; a real target sets dtype and memory."""
+
+    target: str = "toy"  # the target model's directory (`toy`: the shipped toy target)
+    drafter: str = "toy"  # the drafter's directory (or a shipped toy drafter's name)
+    host: str = "127.0.0.1"  # loopback unless told otherwise; any other address needs an API key
+    port: int = 8000
+    api_key: str = ""  # bearer token of /v1/* and /draftopd/* (vLLM's own api-key mechanism for /v1)
+    num_draft_tokens: int = 4  # K, fixed when vLLM starts
+    learning: bool = False  # a learner beside the server trains the drafter on its traffic (EAGLE-3 only)
+    record: bool = True  # the recording hook on (off: plain speculative serving, the overhead's baseline)
+    run_dir: str = "serve-run"  # versions, the saved buffer, the MLflow store, serving.json
+    buffer_capacity: int = 4096  # trajectories kept in memory, oldest dropped first
+    keep_text: bool = False  # the buffer keeps token ids only unless this is set
+    retention_s: float | None = None  # trajectories older than this are dropped (None: kept until pushed out)
+    keep_versions: int = 5  # drafter versions kept in the run directory
+    rollback_window: int = 32  # requests of a new version before automatic rollback judges it
+    rollback_margin: float = 0.02  # roll back when the new version's live tau < previous * (1 - margin)
+    poll_s: float = 0.5  # how often finished requests' records are taken from vLLM's worker
+    save_every_s: float = 60.0  # how often the buffer is saved to the run directory
+    log_every_s: float = 10.0  # how often live tau goes to MLflow
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization (on CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE)
+    seed: int = 0
+    enforce_eager: bool = True  # no torch.compile: minutes less to start on CPU
+    served_model_name: str = ""  # the model name clients send ('' : the target's directory name, `toy` for toy)
+    aux_layer_ids: list[int] = field(default_factory=list)  # the learner's target layers ([]: the drafter's own)
+    learner: dict = field(default_factory=dict)  # LearnerSettings overrides (field: value)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and `localhost` are loopback; a name or any other address is not."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refusal(settings: ServeSettings) -> str:
+    """Why these settings must not start a server ('' when they may): a non-loopback address without a key."""
+    if not is_loopback(settings.host) and not settings.api_key:
+        return (
+            f"--host {settings.host} is reachable from other machines: give an API key (--api-key KEY or "
+            "DRAFTOPD_API_KEY) or bind 127.0.0.1"
+        )
+    if settings.learning and not settings.record:
+        return "--learning on needs the recording hook (--record on): the learner trains on its records"
+    return ""

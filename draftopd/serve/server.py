@@ -112,7 +112,7 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     from draftopd.drafters import family
-    from draftopd.loading import resolve_target_path
+    from draftopd.loading import eos_ids, resolve_target_path
 
     target_dir = str(resolve_target_path(s.target).resolve())
     spec = family(session.kind).speculative_config(drafter_dir, s.num_draft_tokens)
@@ -129,9 +129,11 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
         await init_app_state(engine, app.state, args, supported)
         add_routes(app, session, s.api_key)
         collector = register_metrics(session)
-        session.start(engine, _tokenizer(target_dir), _tracker(s, session))
-        if s.learning:
-            start_learner(s, session, target_dir)
+        tokenizer = _tokenizer(target_dir)
+        session.target_dir, session.eos = target_dir, eos_ids(tokenizer, target_dir)
+        session.start(engine, tokenizer, _tracker(s, session))
+        if s.learning:  # a learner that fails to start is logged; serving goes on without it
+            await asyncio.get_running_loop().run_in_executor(None, session.start_learner)
         log.warning(
             "draftopd serve: %s, drafter version %d (%s), run directory %s",
             listen,
@@ -192,32 +194,6 @@ def _tracker(s: ServeSettings, session: ServeSession):
         return None
 
 
-# -- the learner beside the server --------------------------------------------------------------------------
-
-
-def start_learner(s: ServeSettings, session: ServeSession, target_dir: str) -> None:
-    """The learner on its own thread, training a copy of the serving drafter on the buffer; its proposals are
-    pushed on the server's loop (session.propose). Failures to start it are logged: serving goes on."""
-    from draftopd.drafters import load_drafter, read_raw
-    from draftopd.loading import eos_ids, load_target, load_tokenizer
-    from draftopd.serve.learner import LearnerSettings, ServeLearner
-
-    try:
-        path = version_path(session.store, session.version)
-        ids = s.aux_layer_ids or read_raw(path)[1].get("eagle_aux_hidden_state_layer_ids") or None
-        target = load_target(target_dir, ids, s.dtype)
-        drafter = load_drafter(path, target)
-        settings = LearnerSettings(**{"num_draft_tokens": s.num_draft_tokens, **s.learner})
-        eos = eos_ids(load_tokenizer(target_dir), target_dir)
-        session.learner = ServeLearner(
-            target, drafter, session.buffer, settings, session.propose, session.learner_log, eos
-        )
-        session.learner.start()
-    except Exception:
-        log.exception("draftopd serve: the learner did not start (serving goes on without it)")
-        session.learner = None
-
-
 # -- draftopd's routes and gauges ---------------------------------------------------------------------------
 
 
@@ -253,21 +229,47 @@ def add_routes(app, session: ServeSession, api_key: str) -> None:
         return JSONResponse({"version": version})
 
     async def promote(request):
-        """An operator's push: {"path": drafter directory on this machine}, same family and shape."""
+        """An operator's push: {"path": a drafter directory on this machine, same family and shape}, judged by
+        the guard as the learner's candidates are (409 with its verdict when refused) unless "force" is true."""
         if not allowed(request):
             return denied()
         body = await request.json()
         try:
-            drafter = await asyncio.get_running_loop().run_in_executor(None, _read_candidate, session, body["path"])
-            version = await session.promote(drafter, evidence={"source": str(body["path"]), "manual": True})
+            path = str(body["path"])
+            drafter = await asyncio.get_running_loop().run_in_executor(None, _read_candidate, session, path)
+            evidence = {"source": path, "manual": True, "forced": bool(body.get("force"))}
+            if not body.get("force"):
+                verdict = (await session.vet(path)).evidence()
+                session.learner_log({"event": "verdict", "source": path, **verdict}, 0)
+                if not verdict["promote"]:
+                    return JSONResponse(
+                        {"error": f"refused by the guard: {verdict['reason']}", "verdict": verdict}, 409
+                    )
+                evidence.update(verdict)
+            version = await session.promote(drafter, evidence=evidence)
         except (SwapError, ValueError, KeyError, OSError) as exc:
             return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=409)
         return JSONResponse({"version": version})
+
+    async def learner(request):
+        """{"action": "start" | "stop" | "kill"}: learning switched on or off while serving goes on."""
+        if not allowed(request):
+            return denied()
+        action = (await request.json()).get("action")
+        if action not in ("start", "stop", "kill"):
+            return JSONResponse({"error": "action: start, stop or kill"}, status_code=400)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, session.control_learner, action)
+        except SwapError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        return JSONResponse(session.status()["learner"])
 
     # Starlette routes: the handlers take the request as is (no FastAPI parameter inference)
     app.add_route("/draftopd/status", status, methods=["GET"])
     app.add_route("/draftopd/rollback", rollback, methods=["POST"])
     app.add_route("/draftopd/promote", promote, methods=["POST"])
+    app.add_route("/draftopd/learner", learner, methods=["POST"])
 
 
 def _read_candidate(session: ServeSession, path: str) -> StoredDrafter:

@@ -66,6 +66,8 @@ class ServeSession:
         self.watch: tuple[int, int, float] | None = None  # (new version, previous, previous's live tau)
         self.reset_pending = False
         self.last_verdict: dict = {}
+        self.target_dir, self.eos = settings.target, []  # set by the server once vLLM has resolved the target
+        self._native_pair = None  # (version, target, drafter) in torch, for the guard of operators' pushes
         self._swap = asyncio.Lock()
         self._work = ThreadPoolExecutor(1, thread_name_prefix="draftopd-records")  # conversion, buffer, disk
         self._tracking = ThreadPoolExecutor(1, thread_name_prefix="draftopd-mlflow")  # MLflow off the loop
@@ -159,8 +161,7 @@ class ServeSession:
             self.watch = (version, previous, tau) if n >= self.live.window else None
             self._write_serving()
             self.track_event("promotion", {"version": version, "previous": previous, **_numbers(evidence)})
-            if self.learner is not None:
-                self.learner.set_incumbent(drafter)
+            await self._tell_learner()
             log.warning("draftopd: drafter version %d serving (was %d)", version, previous)
             return version
 
@@ -179,8 +180,7 @@ class ServeSession:
             self.watch = None
             self._write_serving()
             self.track_event("rollback", {"version": previous, "from": current}, {"reason": reason})
-            if self.learner is not None:
-                self.learner.set_incumbent(await self.loop.run_in_executor(self._work, self._load_native, path))
+            await self._tell_learner()
             log.warning("draftopd: rolled back to drafter version %d from %d (%s)", previous, current, reason)
             return previous
 
@@ -216,6 +216,76 @@ class ServeSession:
         if tau < old_tau * (1 - self.settings.rollback_margin):
             await self.rollback(f"live tau {tau:.3f} of version {new} fell below {old_tau:.3f} of version {old}")
 
+    async def vet(self, path: str):
+        """The guard's verdict (guard.Verdict) on a drafter directory against the drafter serving, on the newest
+        held-out traffic, as the learner's candidates get it; off the event loop (seconds: shadow decodes)."""
+        return await self.loop.run_in_executor(None, self._vet, path)
+
+    def _vet(self, path: str):
+        from draftopd.drafters import load_drafter
+        from draftopd.serve.guard import judge
+
+        ls = self.learner_settings()
+        target, incumbent = self._native()
+        candidate = load_drafter(path, target)
+        held = self.buffer.holdout(ls.holdout_n)
+        return judge(candidate, incumbent, target, self.eos, held, ls.num_draft_tokens, ls.margin, ls.confidence)
+
+    def _native(self):
+        """(target, drafter serving) as torch models in this process, for the guard: the learner's target when it
+        runs, else loaded on first use; the drafter reloaded when the version serving changed."""
+        from draftopd.drafters import load_drafter, read_raw
+        from draftopd.loading import load_target
+
+        path = version_path(self.store, self.version)
+        cached = self._native_pair
+        if cached is None or cached[0] != self.version:
+            target = cached[1] if cached else self.learner.target if self.learner is not None else None
+            if target is None:
+                ids = self.settings.aux_layer_ids or read_raw(path)[1].get("eagle_aux_hidden_state_layer_ids")
+                target = load_target(self.target_dir, ids or None, self.settings.dtype)
+            self._native_pair = cached = (self.version, target, load_drafter(path, target).eval())
+        return cached[1], cached[2]
+
+    def start_learner(self) -> bool:
+        """(Any thread but the loop's: it loads models.) The learner on its own thread, training a copy of the
+        serving drafter on the buffer; its proposals are pushed on the server's loop (`propose`). A learner that
+        cannot start is logged and left off: serving goes on. Returns whether one runs."""
+        from draftopd.serve.learner import ServeLearner
+
+        try:
+            self._check_pushable()
+            target, drafter = self._native()
+            self.learner = ServeLearner(
+                target,
+                drafter,
+                self.buffer,
+                self.learner_settings(),
+                self.propose,
+                self.learner_log,
+                self.eos,
+            )
+            self.learner.start()
+        except Exception:
+            log.exception("draftopd serve: the learner did not start (serving goes on without it)")
+            self.learner = None
+        return self.learner is not None
+
+    def control_learner(self, action: str) -> None:
+        """start, stop (after its current step) or kill (at once) the learner; serving is not touched."""
+        if action == "start":
+            self._check_pushable()
+            if self.learner is None or not self.learner.alive():
+                self.start_learner()
+        elif self.learner is not None:
+            self.learner.kill() if action == "kill" else self.learner.stop()
+            self.track_event(f"learner_{action}", {"steps": self.learner.steps})
+
+    def learner_settings(self):
+        from draftopd.serve.learner import LearnerSettings
+
+        return LearnerSettings(**{"num_draft_tokens": self.settings.num_draft_tokens, **self.settings.learner})
+
     def propose(self, drafter, verdict) -> None:
         """The learner's callback (its own thread): promote on the server's loop, waiting for the push."""
         evidence = verdict.evidence() if hasattr(verdict, "evidence") else _as_dict(verdict)
@@ -237,10 +307,10 @@ class ServeSession:
             metrics = {f"{prefix}/{k}": v for k, v in _numbers(row).items()}
             self._tracking.submit(_quietly, self.tracker.log_metrics, metrics, step)
 
-    def _load_native(self, path):
-        from draftopd.drafters import load_drafter
-
-        return load_drafter(path, self.learner.target)
+    async def _tell_learner(self) -> None:
+        """The learner's incumbent is now the drafter serving (as a torch model, loaded from its version)."""
+        if self.learner is not None:
+            self.learner.set_incumbent((await self.loop.run_in_executor(None, self._native))[1])
 
     # -- state, disk, MLflow -------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 opd-vs-sft: Draft-OPD vs more SFT as a paired, seeded experiment with a control arm; sft-plateau: SFT until
 held-out tau stops improving; engines: the native engine vs Hugging Face generate (plain and prompt-lookup
 assisted); rollout: rollout tokens/s of the vLLM backend with its recording hook vs stock vLLM and the native
-engine; families: drafter families side by side (tau, tau per drafter pass, parameters, FLOPs, tokens/s).
+engine; families: drafter families side by side (tau, tau per drafter pass, parameters, FLOPs, tokens/s);
+serve-adapt: `draftopd serve`'s live tau on shifted traffic, learning on vs off; serve-load: `draftopd serve` under
+concurrent clients, learning on vs off (latency, tokens/s, memory).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from draftopd.cli.common import HelpFormatter, add_command, at_least_one, write_
 
 
 def register(sub) -> None:
-    p = add_command(sub, "bench", None, "benchmarks: opd-vs-sft, sft-plateau, engines, rollout, families")
+    p = add_command(
+        sub, "bench", None, "benchmarks: opd-vs-sft, sft-plateau, engines, rollout, families, serve-adapt, serve-load"
+    )
     benches = p.add_subparsers(dest="which", required=True, metavar="BENCH")
     _opd_vs_sft_args(
         _bench(benches, "opd-vs-sft", _bench_opd_vs_sft, "Draft-OPD vs more SFT: paired seeds, a control arm")
@@ -28,6 +32,12 @@ def register(sub) -> None:
         _bench(benches, "rollout", _bench_rollout, "rollout tokens/s: the vLLM backend's hook vs stock vLLM, native")
     )
     _families_args(_bench(benches, "families", _bench_families, "drafter families side by side: tau, FLOPs, tokens/s"))
+    _serve_adapt_args(
+        _bench(benches, "serve-adapt", _bench_serve_adapt, "serve on shifted traffic: live tau, learning on/off")
+    )
+    _serve_load_args(
+        _bench(benches, "serve-load", _bench_serve_load, "draftopd serve under concurrent clients, learning on/off")
+    )
 
 
 def _bench(benches, name: str, handler, summary: str) -> argparse.ArgumentParser:
@@ -145,6 +155,40 @@ def _families_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, help="the report's path")
     p.add_argument("--out", default=None, help="a directory for the plot")
+
+
+def _serve_common(p: argparse.ArgumentParser) -> None:
+    """The flags both serving benches read: the server's models and K, the traffic, the learner."""
+    from draftopd.bench.serve_traffic import SHIFTS
+
+    p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
+    p.add_argument("--drafter", default="toy", help="the drafter served first: a directory or a shipped toy name")
+    p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per step")
+    p.add_argument("--max-new-tokens", type=at_least_one, default=96, help="max_tokens of every request")
+    p.add_argument("--shift", choices=SHIFTS, default="thinking-off", help="what the traffic changes")
+    p.add_argument("--concurrency", type=at_least_one, default=None, help="clients sending at once")
+    p.add_argument("--learner", nargs="*", default=[], metavar="FIELD=VALUE", help="the serving learner's overrides")
+    p.add_argument("--server-arg", action="append", default=[], metavar="FLAG", help="more `serve` flags, both arms")
+    p.add_argument("--json", default=None, help="the report's path (default: OUT/report.json)")
+    p.add_argument("--out", required=True, help="a directory for the report, the servers' run directories and logs")
+
+
+def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
+    _serve_common(p)
+    p.set_defaults(concurrency=4)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="prompt draws, one pair of servers each")
+    p.add_argument("--num-requests", type=at_least_one, default=480, help="requests per seed and arm")
+    p.add_argument("--window", type=at_least_one, default=40, help="requests between two readings of live tau")
+    p.add_argument("--domain", choices=["arithmetic", "code"], default=None, help="one toy domain only")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second at most (0: as fast as served)")
+
+
+def _serve_load_args(p: argparse.ArgumentParser) -> None:
+    _serve_common(p)
+    p.set_defaults(concurrency=8)
+    p.add_argument("--seed", type=int, default=0, help="prompt draw")
+    p.add_argument("--duration-s", type=float, default=300.0, help="seconds of load per arm")
+    p.add_argument("--num-prompts", type=at_least_one, default=64, help="distinct prompts, cycled")
 
 
 def _toy_sets(tokenizer, n: int, seed: int) -> dict:
@@ -405,4 +449,74 @@ def _bench_families(args) -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         bar_plot(report, Path(args.out) / "families.png")
+    print(table(report))
+
+
+def _serve_traffic(args, n: int):
+    """(tokenizer, the target-alone reference, seed -> (chats, {index: prompt ids rendered here}))."""
+    from draftopd.bench.serve_traffic import Reference, shifted_chats, thinking
+    from draftopd.data.prompts import encode_chats
+    from draftopd.loading import eos_ids, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    reference = Reference(load_target(args.target), eos_ids(tokenizer, args.target), args.max_new_tokens)
+
+    def traffic(seed: int):
+        chats = shifted_chats(n, seed, args.shift, getattr(args, "domain", None), tokenizer)
+        return chats, dict(enumerate(encode_chats(tokenizer, chats, thinking(args.shift))))
+
+    return reference, traffic
+
+
+def _bench_serve_adapt(args) -> None:
+    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, mlflow_rows, run_adapt, table
+
+    s = AdaptSettings(
+        target=args.target,
+        drafter=args.drafter,
+        seeds=tuple(args.seeds),
+        num_requests=args.num_requests,
+        window=args.window,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        max_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        shift=args.shift,
+        domain=args.domain,
+        learner=args.learner,
+        server_args=args.server_arg,
+    )
+    reference, traffic = _serve_traffic(args, s.num_requests)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_adapt(traffic, reference, s, out)
+    write_json(Path(args.json or out / "report.json"), report)
+    curve_plot(report, out / "live_tau_vs_requests.png")
+    _bench_mlflow(out, "serve-adapt", report["settings"], mlflow_rows(report), ["live_tau_vs_requests.png"])
+    print(table(report))
+    print(f"report, plot, MLflow store and the servers' run directories in {out}")
+
+
+def _bench_serve_load(args) -> None:
+    from draftopd.bench.serve_load import LoadSettings, run_load, table
+
+    s = LoadSettings(
+        target=args.target,
+        drafter=args.drafter,
+        seed=args.seed,
+        duration_s=args.duration_s,
+        concurrency=args.concurrency,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        shift=args.shift,
+        learner=args.learner,
+        server_args=args.server_arg,
+    )
+    reference, traffic = _serve_traffic(args, s.num_prompts)
+    chats, expected = traffic(s.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_load(chats, expected, reference, s, out)
+    write_json(Path(args.json or out / "report.json"), report)
     print(table(report))

@@ -1,0 +1,218 @@
+"""`draftopd bench serve-adapt`: live tau of `draftopd serve` on traffic its drafter was not trained for, with the
+learner on against the same server with it off (the control arm), over seeds.
+
+Per seed and arm, one `draftopd serve` subprocess (same command but `--learning on|off`, its own run directory
+and port) gets the same shifted traffic (serve_traffic.py: toy prompts with thinking off, the seed picks the
+draw) through the `openai` client, `concurrency` requests at a time, in windows of `window` requests. After each
+window the bench reads vLLM's own speculative-decoding counters from `/metrics`: the window's live tau is
+1 + accepted drafts / draft steps between the two scrapes, whatever drafter version served it, as a user's
+dashboard would show it; `/draftopd/status` gives the drafter version, learner steps, promotions and
+rejections. The headline is the final window's tau, learning on over off, per seed, with a 95% t-interval over
+seeds. Every response is checked against the target alone at T = 0 (`lossless_failures`), across swaps.
+
+The arms' order alternates with the seed (on first for even seeds), so a slow drift of the machine's load does
+not favour one arm.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftopd.bench.opd_vs_sft import t_interval
+from draftopd.bench.serve_process import ServerProcess, serve_args
+from draftopd.bench.serve_traffic import ChatClient, lossless_check, send_all, thinking
+
+ARMS = ("on", "off")
+
+
+@dataclass
+class AdaptSettings:
+    """Sizes of the demonstration; the defaults are the full-size run (see docs/serving.md for its wall time)."""
+
+    target: str = "toy"
+    drafter: str = "toy"
+    seeds: tuple[int, ...] = (0, 1, 2)
+    num_requests: int = 480  # per seed and arm
+    window: int = 40  # requests between two readings of live tau
+    concurrency: int = 4  # clients sending at once
+    rate: float = 2.0  # requests per second at most (0: as fast as the server answers): the learner's time
+    max_tokens: int = 96
+    num_draft_tokens: int = 4
+    shift: str = "thinking-off"  # what the traffic changes (serve_traffic.SHIFTS)
+    domain: str | None = None  # one toy domain only (arithmetic, code), or all
+    learner: list[str] = field(default_factory=list)  # `draftopd serve --learner` overrides (FIELD=VALUE)
+    server_args: list[str] = field(default_factory=list)  # more `draftopd serve` flags, both arms
+    settle_s: float = 0.2  # pause before reading counters after a window (the last step's stats to land)
+
+
+def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, out: Path, reference) -> dict:
+    """One server, the seed's traffic in windows; the curve, the final status and the lossless check."""
+    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args)
+    with ServerProcess(out / f"seed{seed}-{arm}", args) as server:
+        client = ChatClient(server.url, s.max_tokens, thinking(s.shift))
+        replies, curve = [], []
+        t0 = time.monotonic()
+        pace = (lambda i: t0 + i / s.rate) if s.rate > 0 else None
+        for w0 in range(0, len(chats), s.window):
+            before = server.counters()
+            batch = send_all(client, chats[w0 : w0 + s.window], s.concurrency, w0, pace)
+            time.sleep(s.settle_s)
+            after, st = server.counters(), server.status()
+            replies += batch
+            curve.append(_point(w0 + len(batch), after.tau_since(before), time.monotonic() - t0, batch, st))
+            print(
+                f"  seed {seed} learning {arm}: {curve[-1]['requests']} requests, tau {curve[-1]['tau']:.3f}, "
+                f"version {st['version']}, learner steps {curve[-1]['learner_steps']}",
+                flush=True,
+            )
+        final = server.status()
+        minutes = (time.monotonic() - t0) / 60
+        ready_s, rss = server.ready_s, server.rss()
+    learner = final["learner"]
+    return {
+        "curve": curve,
+        "final_tau": curve[-1]["tau"],
+        "minutes": minutes,
+        "learner_minutes": minutes if arm == "on" else 0.0,
+        "learner_steps": learner["steps"],
+        "promotions": learner["promotions"],
+        "rejections": learner["rejections"],
+        "learner_errors": learner.get("errors", 0),
+        "versions_served": final.get("history", [final["version"]]),
+        "failed_requests": sum(bool(r.error) for r in replies),
+        "first_errors": [r.error for r in replies if r.error][:3],
+        "lossless": lossless_check(replies, reference, expected),
+        "server_ready_s": ready_s,
+        "server_rss_end_mb": rss / 2**20,
+        "buffer": final.get("buffer", {}),
+    }
+
+
+def _point(requests: int, tau: float, seconds: float, batch: list, st: dict) -> dict:
+    learner = st["learner"]
+    return {
+        "requests": requests,
+        "tau": tau,
+        "minutes": seconds / 60,
+        "version": st["version"],
+        "learner_steps": learner["steps"],
+        "promotions": learner["promotions"],
+        "rejections": learner["rejections"],
+        "failed": sum(bool(r.error) for r in batch),
+    }
+
+
+def run_adapt(traffic, reference, s: AdaptSettings, out: Path) -> dict:
+    """Both arms for every seed. `traffic(seed)` -> (chats, {index: prompt ids as the tokenizer renders them
+    here}); the server's own rendering is checked against the latter, its outputs against `reference`."""
+    seeds = {}
+    for seed in s.seeds:
+        chats, expected = traffic(seed)
+        reference.prepare(list(expected.values()))  # before serving: the reference does not compete for cores
+        order = ARMS if seed % 2 == 0 else ARMS[::-1]
+        arms = {arm: run_arm(arm, seed, chats, expected, s, out, reference) for arm in order}
+        seeds[seed] = {**{a: arms[a] for a in ARMS}, "on_over_off": arms["on"]["final_tau"] / arms["off"]["final_tau"]}
+    return summarise(seeds, s)
+
+
+def summarise(seeds: dict, s: AdaptSettings) -> dict:
+    """The report: per seed and arm the curves and figures; the headline ratio with its interval over seeds."""
+    ratio, lo, hi = t_interval([r["on_over_off"] for r in seeds.values()])
+    arms = [r[a] for r in seeds.values() for a in ARMS]
+    diffs = [d for a in arms for d in a["lossless"]["first"]]
+    return {
+        "settings": asdict(s),
+        "seeds": {str(k): v for k, v in seeds.items()},
+        "final_tau": {a: t_interval([r[a]["final_tau"] for r in seeds.values()]) for a in ARMS},
+        "on_over_off": ratio,
+        "on_over_off_ci95": [lo, hi],
+        "requests_per_arm": s.num_requests,
+        "learner_minutes": sum(r["on"]["learner_minutes"] for r in seeds.values()) / len(seeds),
+        "learner_steps": [r["on"]["learner_steps"] for r in seeds.values()],
+        "promotions": [r["on"]["promotions"] for r in seeds.values()],
+        "rejections": [r["on"]["rejections"] for r in seeds.values()],
+        "failed_requests": sum(a["failed_requests"] for a in arms),
+        "lossless_checked": sum(a["lossless"]["checked"] for a in arms),
+        "lossless_failures": sum(a["lossless"]["failures"] for a in arms),
+        "lossless_diffs": diffs[:5],
+        "prompts_rendered_otherwise": sum(a["lossless"]["prompts_rendered_otherwise"] for a in arms),
+    }
+
+
+def table(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"serve-adapt: {s['num_requests']} requests per arm ({s['shift']}, {s['domain'] or 'all domains'}), "
+        f"windows of {s['window']}, {s['concurrency']} clients, K={s['num_draft_tokens']}, seeds {s['seeds']}"
+    ]
+    lines.append(
+        f"{'seed':>5} {'tau off':>8} {'tau on':>8} {'on/off':>7} {'steps':>6} {'promoted':>9} "
+        f"{'refused':>8} {'learner min':>12}"
+    )
+    for seed, r in report["seeds"].items():
+        on, off = r["on"], r["off"]
+        lines.append(
+            f"{seed:>5} {off['final_tau']:8.3f} {on['final_tau']:8.3f} {r['on_over_off']:7.3f} "
+            f"{on['learner_steps']:6d} {on['promotions']:9d} {on['rejections']:8d} {on['learner_minutes']:12.1f}"
+        )
+    lo, hi = report["on_over_off_ci95"]
+    lines.append(f"on/off (final window's live tau): {report['on_over_off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")
+    lines.append(
+        f"lossless: {report['lossless_failures']} of {report['lossless_checked']} responses differ from the "
+        f"target alone; failed requests: {report['failed_requests']}"
+    )
+    return "\n".join(lines)
+
+
+def curve_plot(report: dict, out_png) -> None:
+    """Live tau against requests served, learning on and off: the mean over seeds with its 95% t-interval as a
+    band, each seed's curve thin, and ticks where the learner's versions were promoted."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    for arm, label in (("off", "learning off (control)"), ("on", "learning on")):
+        curves = [r[arm]["curve"] for r in report["seeds"].values()]
+        n = min(len(c) for c in curves)
+        xs = [curves[0][i]["requests"] for i in range(n)]
+        stats = [t_interval([c[i]["tau"] for c in curves]) for i in range(n)]
+        line = ax.plot(xs, [m for m, _, _ in stats], marker="o", markersize=3, label=label)[0]
+        ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=line.get_color(), alpha=0.15)
+        for c in curves:
+            ax.plot([p["requests"] for p in c], [p["tau"] for p in c], color=line.get_color(), lw=0.6, alpha=0.35)
+        if arm == "on":
+            for c in curves:
+                ups = [b["requests"] for a, b in zip([{"promotions": 0}, *c], c) if b["promotions"] > a["promotions"]]
+                ax.plot(ups, [ax.get_ylim()[0]] * len(ups), "^", color=line.get_color(), ms=5, alpha=0.6)
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("live tau per window (vLLM's counters)")
+    s = report["settings"]
+    ax.set_title(
+        f"draftopd serve on shifted traffic ({s['shift']}): learning on vs off, {len(s['seeds'])} seeds "
+        f"(bands: 95% t-interval; ^: promotions)"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(out_png, format="png")
+
+
+def mlflow_rows(report: dict) -> list[tuple[str, float, int]]:
+    """(name, value, step) rows: the curves (step = requests served), the finals and the headline."""
+    rows = []
+    for seed, r in report["seeds"].items():
+        for arm in ARMS:
+            rows += [(f"curve/{arm}/seed{seed}", p["tau"], p["requests"]) for p in r[arm]["curve"]]
+            rows.append((f"final_tau/{arm}", r[arm]["final_tau"], int(seed)))
+        rows += [("seed_on_over_off", r["on_over_off"], int(seed)), ("promotions", r["on"]["promotions"], int(seed))]
+    lo, hi = report["on_over_off_ci95"]
+    rows += [
+        ("on_over_off", report["on_over_off"], 0),
+        ("on_over_off_ci95_low", lo, 0),
+        ("on_over_off_ci95_high", hi, 0),
+        ("lossless_failures", report["lossless_failures"], 0),
+        ("failed_requests", report["failed_requests"], 0),
+        ("learner_minutes", report["learner_minutes"], 0),
+    ]
+    return rows

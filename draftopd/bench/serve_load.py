@@ -1,0 +1,125 @@
+"""`draftopd bench serve-load`: `draftopd serve` under load, learning on and then off, from one run.
+
+Each arm is one server subprocess on 127.0.0.1 (same command but `--learning`), and `concurrency` `openai`
+clients that send chat requests back to back for `duration_s` (the same prompts, cycled, with the shift of
+serve-adapt). Reported per arm: requests served and failed (any exception or error status; the client never
+retries), latency per request (p50, p99), output tokens/s over the arm's wall time, the peak resident memory of
+the server's process tree (sampled every half second, with the samples' first and last values to show whether
+it grows) and whether every response equals the target alone's at T = 0; then the ratios on/off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftopd.bench.serve_process import RssSampler, ServerProcess, serve_args
+from draftopd.bench.serve_traffic import ChatClient, Reference, lossless_check, send_for, thinking
+
+ARMS = ("on", "off")
+
+
+@dataclass
+class LoadSettings:
+    """The load run; the defaults are the full-size one (8 clients, 5 minutes per arm)."""
+
+    target: str = "toy"
+    drafter: str = "toy"
+    seed: int = 0
+    duration_s: float = 300.0
+    concurrency: int = 8
+    num_prompts: int = 64  # distinct prompts, cycled
+    shift: str = "thinking-off"
+    max_tokens: int = 96
+    num_draft_tokens: int = 4
+    learner: list[str] = field(default_factory=list)
+    server_args: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between order statistics; NaN for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def run_load_arm(arm: str, chats: list, expected: dict, s: LoadSettings, out: Path, reference: Reference) -> dict:
+    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args)
+    with ServerProcess(out / f"load-{arm}", args) as server:
+        sampler = RssSampler(server.proc.pid).start()
+        try:
+            client = ChatClient(server.url, s.max_tokens, thinking(s.shift))
+            replies, wall = send_for(client, chats, s.concurrency, s.duration_s)
+            status = server.status()
+        finally:
+            sampler.stop()
+    ok = [r for r in replies if not r.error]
+    latencies = [r.latency_s for r in ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    samples = sampler.samples
+    return {
+        "requests": len(replies),
+        "failed": len(replies) - len(ok),
+        "first_errors": [r.error for r in replies if r.error][:3],
+        "wall_s": wall,
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
+        "latency_mean_s": sum(latencies) / len(latencies) if latencies else float("nan"),
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "requests_per_s": len(ok) / wall if wall > 0 else float("nan"),
+        "peak_rss_mb": sampler.peak / 2**20,
+        "rss_first_mb": samples[0][1] / 2**20 if samples else float("nan"),
+        "rss_last_mb": samples[-1][1] / 2**20 if samples else float("nan"),
+        "server_ready_s": server.ready_s,
+        "learner_steps": status["learner"]["steps"],
+        "promotions": status["learner"]["promotions"],
+        "rejections": status["learner"]["rejections"],
+        "buffer": status.get("buffer", {}),
+        "lossless": lossless_check(replies, reference, expected),
+    }
+
+
+def run_load(chats: list, expected: dict, reference: Reference, s: LoadSettings, out: Path) -> dict:
+    reference.prepare(list(expected.values()))
+    arms = {arm: run_load_arm(arm, chats, expected, s, out, reference) for arm in ARMS}
+    on, off = arms["on"], arms["off"]
+    keys = ("latency_p50_s", "latency_p99_s", "output_tokens_per_s", "peak_rss_mb")
+    return {
+        "settings": asdict(s),
+        "arms": arms,
+        "on_over_off": {k: on[k] / off[k] if off[k] else float("nan") for k in keys},
+        "failed_requests": on["failed"] + off["failed"],
+        "lossless_failures": on["lossless"]["failures"] + off["lossless"]["failures"],
+        "lossless_checked": on["lossless"]["checked"] + off["lossless"]["checked"],
+    }
+
+
+def table(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"serve-load: {s['concurrency']} clients for {s['duration_s']:.0f} s per arm, max_tokens "
+        f"{s['max_tokens']}, K={s['num_draft_tokens']}"
+    ]
+    lines.append(
+        f"{'learning':>8} {'requests':>9} {'failed':>7} {'p50 s':>7} {'p99 s':>7} {'tok/s':>8} "
+        f"{'peak RSS MB':>12} {'steps':>6} {'promoted':>9}"
+    )
+    for arm in ARMS:
+        a = report["arms"][arm]
+        lines.append(
+            f"{arm:>8} {a['requests']:9d} {a['failed']:7d} {a['latency_p50_s']:7.3f} {a['latency_p99_s']:7.3f} "
+            f"{a['output_tokens_per_s']:8.1f} {a['peak_rss_mb']:12.0f} {a['learner_steps']:6d} "
+            f"{a['promotions']:9d}"
+        )
+    r = report["on_over_off"]
+    lines.append("on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
+    lines.append(
+        f"lossless: {report['lossless_failures']} of {report['lossless_checked']} responses differ from the "
+        f"target alone; failed requests: {report['failed_requests']}"
+    )
+    return "\n".join(lines)

@@ -65,21 +65,25 @@ def nonfinite_weights(drafter) -> list[str]:
     return [k for k, v in drafter.state().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def shadow_taus(drafter, target, eos: list[int], trajs: list[Trajectory], k: int, batch_size: int = 16):
-    """Per-request tau of `drafter` re-decoding each trajectory's prompt greedily, `len(output_ids)` new tokens
-    at most (requests grouped by that length so a batch shares one budget); NaN where no step was taken."""
+def shadow_taus(
+    drafter, target, eos: list[int], trajs: list[Trajectory], k: int, max_new_tokens: int = 256, batch_size: int = 16
+):
+    """Per-request tau of `drafter` re-decoding each trajectory's prompt greedily over its first L tokens,
+    L = its recorded output length capped at `max_new_tokens`; NaN where no step was taken. Requests are
+    batched by length (a batch decodes to its longest L; each request's tau counts only the steps that start
+    within its own L)."""
     engine = SpeculativeEngine(target, drafter.eval(), eos)
-    by_len: dict[int, list[int]] = {}
-    for i, t in enumerate(trajs):
-        by_len.setdefault(max(len(t.output_ids), 1), []).append(i)
+    budget = [min(max(len(t.output_ids), 1), max_new_tokens) for t in trajs]
+    order = sorted(range(len(trajs)), key=budget.__getitem__)
     taus = [float("nan")] * len(trajs)
-    for n, idx in sorted(by_len.items()):
-        for s in range(0, len(idx), batch_size):
-            chunk = idx[s : s + batch_size]
-            out = engine.generate([trajs[i].prompt_ids for i in chunk], SamplingConfig(n, 0.0, k, 0))
-            for i, o in zip(chunk, out):
-                if o.steps:
-                    taus[i] = sum(len(st.emitted) for st in o.steps) / len(o.steps)
+    for s in range(0, len(order), batch_size):
+        chunk = order[s : s + batch_size]
+        cfg = SamplingConfig(max(budget[i] for i in chunk), 0.0, k, 0)
+        for i, out in zip(chunk, engine.generate([trajs[i].prompt_ids for i in chunk], cfg)):
+            end = len(out.prompt_ids) + budget[i]  # output_ids[0] is the prefill's: steps start at prompt + 1
+            steps = [st for st in out.steps if st.position < end]
+            if steps:
+                taus[i] = sum(len(st.emitted) for st in steps) / len(steps)
     return taus
 
 
@@ -92,9 +96,12 @@ def judge(
     k: int,
     margin: float = 0.02,
     confidence: float = 0.95,
+    max_new_tokens: int = 256,
 ) -> Verdict:
     """Promote `candidate` over `incumbent` only when held-out `trajs` say it is better by `margin` at
-    `confidence`; never raises (an error is a refusal with its reason)."""
+    `confidence`, each request re-decoded up to its recorded length or `max_new_tokens` (the guard's cost);
+    never raises (an error is a refusal with its reason). A request's tau is its tokens emitted per step; the
+    verdict's `tau_*` are the means over requests."""
     start = time.perf_counter()
     base = {"margin": margin, "confidence": confidence}
     try:
@@ -102,8 +109,8 @@ def judge(
         if bad:
             return Verdict(False, f"non-finite weights in {len(bad)} tensors ({bad[0]}, ...)", **base)
         with torch.no_grad():
-            cand = shadow_taus(candidate, target, eos, trajs, k)
-            inc = shadow_taus(incumbent, target, eos, trajs, k)
+            cand = shadow_taus(candidate, target, eos, trajs, k, max_new_tokens)
+            inc = shadow_taus(incumbent, target, eos, trajs, k, max_new_tokens)
         verdict = _decide(cand, inc, margin, confidence)
     except Exception as exc:  # a broken candidate must not take the learner (or the server) down
         verdict = Verdict(False, f"error while judging: {type(exc).__name__}: {exc}")

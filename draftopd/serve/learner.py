@@ -44,8 +44,8 @@ class LearnerSettings:
     """Learner steps allowed per 1,000 output tokens served (the budget grows with traffic; 0: no training)."""
     batch_size: int = 8
     """Trajectories replayed per step."""
-    lr: float = 1e-3
-    """AdamW learning rate (betas 0.9, 0.95; gradients clipped at norm 1)."""
+    lr: float = 5e-4
+    """AdamW learning rate (betas 0.9, 0.95; gradients clipped at norm 1): the recipes' Draft-OPD rate."""
     candidate_every: int = 20
     """Guard a snapshot every this many learner steps."""
     min_traffic: int = 16
@@ -58,6 +58,8 @@ class LearnerSettings:
     """A candidate's tau must reach (1 + margin) x the serving drafter's."""
     confidence: float = 0.95
     """One-sided confidence of the paired tau difference's lower bound (> 0 to promote)."""
+    guard_max_new_tokens: int = 256
+    """The guard re-decodes each held-out request up to its recorded length or this many tokens."""
     threads: int = 1
     """torch threads (process-wide)."""
     num_draft_tokens: int = 4
@@ -103,7 +105,7 @@ class ServeLearner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._killed = False
+        self._killed = self._reset = False
         self.steps = self.candidates = self.promotions = self.rejections = self.errors = 0
         self.last_error = ""
         self.last_verdict: Verdict | None = None
@@ -122,8 +124,7 @@ class ServeLearner:
         """The drafter now serving (after a promotion or a rollback); `reset`: train on from it as well."""
         with self._lock:
             self._incumbent = drafter
-            if reset:
-                self._drafter = None
+            self._reset = self._reset or reset  # taken at the next step, never in the middle of one
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Ask the thread to finish its current step or verdict and wait for it."""
@@ -192,7 +193,9 @@ class ServeLearner:
         """One learner step when budget and traffic allow it, then a guarded candidate when it is time."""
         if self.steps >= self._budget() or self.traffic.num_trainable() < self.s.min_traffic:
             return False
-        if self._drafter is None:
+        with self._lock:
+            fresh, self._reset = self._drafter is None or self._reset, False
+        if fresh:
             self._start_copy()
         metrics = self._step()
         self.steps += 1
@@ -249,7 +252,9 @@ class ServeLearner:
         snapshot = clone_drafter(self._drafter, self.target).eval()
         self.candidates += 1
         k, s = self.s.num_draft_tokens, self.s
-        verdict = judge(snapshot, incumbent, self.target, self.eos, held, k, s.margin, s.confidence)
+        verdict = judge(
+            snapshot, incumbent, self.target, self.eos, held, k, s.margin, s.confidence, s.guard_max_new_tokens
+        )
         self.last_verdict = verdict
         if self._killed:
             return

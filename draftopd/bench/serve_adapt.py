@@ -173,6 +173,7 @@ def curve_plot(report: dict, out_png) -> None:
 
     fig = Figure(figsize=(9, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
+    promoted = []
     for arm, label in (("off", "learning off (control)"), ("on", "learning on")):
         curves = [r[arm]["curve"] for r in report["seeds"].values()]
         n = min(len(c) for c in curves)
@@ -182,16 +183,19 @@ def curve_plot(report: dict, out_png) -> None:
         ax.fill_between(xs, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=line.get_color(), alpha=0.15)
         for c in curves:
             ax.plot([p["requests"] for p in c], [p["tau"] for p in c], color=line.get_color(), lw=0.6, alpha=0.35)
-        if arm == "on":
-            for c in curves:
-                ups = [b["requests"] for a, b in zip([{"promotions": 0}, *c], c) if b["promotions"] > a["promotions"]]
-                ax.plot(ups, [ax.get_ylim()[0]] * len(ups), "^", color=line.get_color(), ms=5, alpha=0.6)
+            ups = [b["requests"] for a, b in zip([{"promotions": 0}, *c], c) if b["promotions"] > a["promotions"]]
+            promoted += [(x, line.get_color()) for x in ups]
+    bottom = ax.get_ylim()[0]
+    for x, color in promoted:  # the window in which a new version began serving
+        ax.plot([x], [bottom], "^", color=color, ms=6, alpha=0.7, clip_on=False)
     ax.set_xlabel("requests served")
     ax.set_ylabel("live tau per window (vLLM's counters)")
     s = report["settings"]
+    n = len(s["seeds"])
     ax.set_title(
-        f"draftopd serve on shifted traffic ({s['shift']}): learning on vs off, {len(s['seeds'])} seeds "
-        f"(bands: 95% t-interval; ^: promotions)"
+        f"draftopd serve on shifted traffic ({s['shift']}): learning on vs off\n"
+        f"{n} seed{'s' if n > 1 else ''}; bands: 95% t-interval over seeds; ^: a promoted version began serving",
+        fontsize="medium",
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

@@ -229,7 +229,8 @@ class ServeSession:
         target, incumbent = self._native()
         candidate = load_drafter(path, target)
         held = self.buffer.holdout(ls.holdout_n)
-        return judge(candidate, incumbent, target, self.eos, held, ls.num_draft_tokens, ls.margin, ls.confidence)
+        k = ls.num_draft_tokens
+        return judge(candidate, incumbent, target, self.eos, held, k, ls.margin, ls.confidence, ls.guard_max_new_tokens)
 
     def _native(self):
         """(target, drafter serving) as torch models in this process, for the guard: the learner's target when it

@@ -1,9 +1,10 @@
 """Commands that decode and measure: `generate`, `eval`, `diagnose` (attention drift) and `rejections` (what a
-Draft-OPD run's drafter gets wrong)."""
+drafter gets wrong, from a Draft-OPD run's replay buffer or the traffic `draftopd serve` recorded)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from draftopd.cli.common import SHIPPED, add_command, at_least_one, resolve_drafter_path, write_json
@@ -61,9 +62,19 @@ def register(sub) -> None:
         sub,
         "rejections",
         cmd_rejections,
-        "which draft tokens, offsets, contexts and domains get rejected, from a run's replay buffer",
+        "which draft tokens, offsets, contexts and domains get rejected, from a run's replay buffer or served traffic",
     )
-    p.add_argument("run_dir", help="a Draft-OPD run directory (the buffer of its newest checkpoint is read)")
+    p.add_argument(
+        "run_dir",
+        help="a Draft-OPD run directory (the buffer of its newest checkpoint is read) or a draftopd serve run "
+        "directory (its saved traffic buffer, both slices)",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="serving runs: the target (directory or 'toy') whose tokenizer decodes the traffic (default: the one "
+        "the run's MLflow run names)",
+    )
     p.add_argument("--top", type=int, default=20, help="rows of the ranked tables (tokens, pairs, contexts) printed")
     p.add_argument("--context", type=int, default=3, help="tokens before the rejection point that make a context")
     p.add_argument("--json", default=None, help="write the whole report (every row) here")
@@ -247,6 +258,10 @@ def cmd_diagnose(args) -> None:
 
 
 def cmd_rejections(args) -> None:
+    from draftopd.eval.rejections import is_serving_run
+
+    if is_serving_run(args.run_dir):
+        return _serving_rejections(args)
     from draftopd.config import load_config
     from draftopd.eval.rejections import format_report, log_report, prompt_domains, read_run_buffer, rejection_report
     from draftopd.loading import load_tokenizer
@@ -267,4 +282,39 @@ def cmd_rejections(args) -> None:
         tracker = Tracker(args.run_dir, cfg.tracking.experiment, tracking_uri=cfg.tracking.tracking_uri or None)
         tracker.attach(driver_state["mlflow_run_id"])
         paths = log_report(report, tracker, f"rejections/{ckpt.name}")
+        print(f"MLflow run {tracker.run_id}: {', '.join(paths)}")
+
+
+def _serving_rejections(args) -> None:
+    """`rejections` on a `draftopd serve` run directory: its saved traffic buffer, by drafter version and domain;
+    --log-mlflow logs to the newest serving session's MLflow run."""
+    from draftopd.eval import rejections as rj
+    from draftopd.loading import load_tokenizer
+    from draftopd.tracking import Tracker
+
+    run = Path(args.run_dir)
+    records, stats = rj.read_traffic(run)  # before any tokenizer: no traffic fails fast
+    mlflow_run = rj.serving_mlflow_run(run) if args.log_mlflow or not args.target else None
+    if args.log_mlflow and mlflow_run is None:
+        raise FileNotFoundError(f"{run} holds no MLflow run of draftopd serve to log to")
+    target = args.target or (mlflow_run[1].get("target") if mlflow_run else None)
+    if not target:
+        raise FileNotFoundError(f"{run}: no MLflow run of draftopd serve names its target; give --target DIR|toy")
+    serving = run / "serving.json"
+    stats = {k: v for k, v in stats.items() if k != "capacity"}  # the loader's, not the server's
+    report = {"run_dir": str(run), "buffer": "traffic buffer", "target": target, "buffer_stats": stats}
+    report["version_serving"] = json.loads(serving.read_text())["version"] if serving.is_file() else None
+    report |= rj.traffic_report(records, load_tokenizer(target), args.context)
+    print(
+        f"{run / 'traffic'}: {stats['train']} training and {stats['holdout']} held-out trajectories of "
+        f"{stats['added']} recorded (drafter version serving: {report['version_serving']})"
+    )
+    print(rj.format_report(report, args.top))
+    if args.json:
+        write_json(Path(args.json), report)
+        print(f"report: {args.json}")
+    if args.log_mlflow:
+        tracker = Tracker(run, rj.SERVE_EXPERIMENT)
+        tracker.attach(mlflow_run[0])
+        paths = rj.log_report(report, tracker, f"rejections/traffic-{stats['added']:06d}")
         print(f"MLflow run {tracker.run_id}: {', '.join(paths)}")

@@ -1,4 +1,5 @@
-"""Rejection explorer: where a Draft-OPD run's drafter gets rejected, read from its replay buffer.
+"""Rejection explorer: where a drafter gets rejected, read from a Draft-OPD run's replay buffer or from the traffic
+buffer `draftopd serve` saves in its run directory.
 
 The buffer holds the trajectories of its error states with every verification step of them (draft tokens,
 accepted count, position, log-probs, policy version), so it answers, without running any model:
@@ -16,11 +17,18 @@ accepted count, position, log-probs, policy version), so it answers, without run
 Only trajectories that still hold an error state are in the buffer: fully accepted trajectories, and states
 evicted or past `buffer.max_staleness`, are not, so rates describe where the drafter struggles lately rather
 than its overall acceptance (the held-out eval measures that).
+
+A serving run's traffic buffer (`run_dir/traffic/`, read with `TrafficBuffer.load`) holds every served request
+that had a verification step, accepted or not, in both its slices (training and held-out, counted apart in
+`by_slice`); the domain is the one the server gave each request (`serve.records.traffic_domain`) and the
+policy version the drafter version that served it. Its rates describe the traffic the buffer still holds
+(bounded, oldest dropped first, and the retention setting).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,6 +37,9 @@ from draftopd.eval.acceptance import acceptance_stats
 from draftopd.messages import Trajectory
 from draftopd.rundir import latest_checkpoint
 
+TRAFFIC = "traffic"  # the folder of a serving run directory the traffic buffer is saved in (serve/session.py)
+SERVE_EXPERIMENT = "draftopd-serve"  # the MLflow experiment of serving sessions (serve/server.py)
+SERVE_MARKS = ("serving.json", "versions", TRAFFIC)  # what `draftopd serve` writes in its run directory
 SEQUENCE_ENDED = "(sequence ended)"  # a rejection in a step the end-of-sequence or the budget cut short
 RANKED = ("rejected_tokens", "replacements", "contexts")  # tables cut to --top rows when printed
 
@@ -38,7 +49,9 @@ def read_run_buffer(run_dir: str | Path) -> tuple[Path, dict, dict]:
     naming what is missing otherwise."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run} is not a run directory (no config.yaml)")
+        raise FileNotFoundError(
+            f"{run} is not a run directory (no config.yaml of a Draft-OPD run, no traffic/ of draftopd serve)"
+        )
     ckpt = latest_checkpoint(run)
     if ckpt is None and (run / "checkpoints" / "final").is_dir():
         raise FileNotFoundError(
@@ -53,6 +66,44 @@ def read_run_buffer(run_dir: str | Path) -> tuple[Path, dict, dict]:
     if not (ckpt / "buffer.json").is_file():
         raise FileNotFoundError(f"checkpoint {ckpt} holds no buffer.json")
     return ckpt, json.loads((ckpt / "buffer.json").read_text()), json.loads((ckpt / "driver_state.json").read_text())
+
+
+def is_serving_run(run_dir: str | Path) -> bool:
+    """A directory `draftopd serve` wrote (serving.json, versions/ or traffic/) and no training run's config."""
+    run = Path(run_dir)
+    return not (run / "config.yaml").is_file() and any((run / name).exists() for name in SERVE_MARKS)
+
+
+def read_traffic(run_dir: str | Path) -> tuple[list, dict]:
+    """((slice, Record) of every trajectory a serving run saved, oldest first; the buffer's stats), loaded with
+    the buffer's own loader, keeping all it saved; FileNotFoundError when nothing was saved yet."""
+    from draftopd.serve.traffic import FILE, TrafficBuffer
+
+    path = Path(run_dir) / TRAFFIC / FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} is a draftopd serve run directory with no saved traffic yet (the server saves its traffic "
+            "buffer every save_every_s and when it stops)"
+        )
+    lines = sum(1 for line in path.read_text().splitlines() if line.strip())
+    buf = TrafficBuffer.load(path.parent, capacity=max(lines, 2))
+    return buf.records(), buf.stats()
+
+
+def serving_mlflow_run(run_dir: str | Path) -> tuple[str, dict] | None:
+    """(run id, params) of the newest serving session's MLflow run in the run directory's store, or None (no
+    store, no such run): its params name the target whose tokenizer decodes the traffic."""
+    from draftopd.tracking import resolve_tracking_uri
+
+    run = Path(run_dir)
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (run / "mlflow.db").is_file():
+        return None  # opening a store that is not there would create one
+    from mlflow import MlflowClient
+
+    client = MlflowClient(resolve_tracking_uri(run))
+    exp = client.get_experiment_by_name(SERVE_EXPERIMENT)
+    found = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    return (found[0].info.run_id, dict(found[0].data.params)) if exp and found else None
 
 
 def prompt_domains(spec: str, split: str, limit: int, seed: int = 0) -> list[str] | None:
@@ -89,6 +140,28 @@ def toy_samples(split: str, limit: int, seed: int = 0) -> list:
 def rejection_report(state: dict, tokenizer, domains: list[str] | None = None, context: int = 3) -> dict:
     """Every table over the trajectories of a buffer `state_dict`, tokens decoded with `tokenizer`."""
     trajs = [Trajectory.from_dict(t) for t in state["trajectories"]]  # the buffer stores each trajectory once
+    notes = [] if trajs else ["the buffer holds no error state"]
+    per = None
+    if domains is None:
+        notes.append("the prompts carry no domain: no by_domain table")
+    else:  # a prompt index the domains do not reach: left out of by_domain
+        per = [domains[t.prompt_index] or "(none)" if 0 <= t.prompt_index < len(domains) else None for t in trajs]
+    return _report(trajs, tokenizer, per, context, notes)
+
+
+def traffic_report(records: list, tokenizer, context: int = 3) -> dict:
+    """Every table over a serving run's traffic, `read_traffic`'s (slice, Record) pairs; by domain as the server
+    classed each request, by slice (what the learner trains on, what the guard judges on)."""
+    trajs = [r.trajectory for _, r in records]
+    notes = [] if trajs else ["the traffic buffer holds no served request"]
+    report = _report(trajs, tokenizer, [r.domain or "(none)" for _, r in records], context, notes)
+    if trajs:
+        report["tables"]["by_slice"] = _group_table(trajs, [s for s, _ in records], "slice")
+    return report
+
+
+def _report(trajs: list[Trajectory], tokenizer, domains: list[str | None] | None, context: int, notes: list) -> dict:
+    """The tables; `domains`: each trajectory's domain (None: unknown, left out), or None for no by_domain."""
     show = _Decoder(tokenizer)
     rejected, judged, pairs, contexts = Counter(), Counter(), Counter(), defaultdict(Counter)
     for traj in trajs:
@@ -104,19 +177,16 @@ def rejection_report(state: dict, tokenizer, domains: list[str] | None = None, c
             pairs[draft, replacement] += 1
             at = step.position + a  # index of the rejected draft in the sequence
             contexts[tuple(full[max(0, at - context) : at])][draft, replacement] += 1
-    notes = [] if trajs else ["the buffer holds no error state"]
     tables = {
         "rejected_tokens": _token_table(rejected, judged, pairs, show),
         "replacements": _pair_table(pairs, show),
         "by_offset": _offset_table(trajs),
         "contexts": _context_table(contexts, show),
-        "by_policy_version": _group_table(trajs, lambda t: t.policy_version, "policy_version"),
+        "by_policy_version": _group_table(trajs, [t.policy_version for t in trajs], "policy_version"),
     }
-    if domains is None:
-        notes.append("the prompts carry no domain: no by_domain table")
-    elif trajs:
-        known = [t for t in trajs if 0 <= t.prompt_index < len(domains)]
-        tables["by_domain"] = _group_table(known, lambda t: domains[t.prompt_index] or "(none)", "domain")
+    if domains is not None and trajs:
+        known = [(t, d) for t, d in zip(trajs, domains) if d is not None]
+        tables["by_domain"] = _group_table([t for t, _ in known], [d for _, d in known], "domain")
     return {
         "num_trajectories": len(trajs),
         "num_steps": sum(len(t.steps) for t in trajs),
@@ -207,11 +277,12 @@ def _context_table(contexts: dict, show: _Decoder) -> list[dict]:
     return sorted(rows, key=lambda r: (-r["rejections"], r["context"]))
 
 
-def _group_table(trajs: list[Trajectory], key, name: str) -> list[dict]:
-    """Acceptance of the steps of each group of trajectories: tau, acceptance of the first draft, rejection rate."""
+def _group_table(trajs: list[Trajectory], keys: list, name: str) -> list[dict]:
+    """Acceptance of the steps of each group of trajectories (`keys[i]`: trajectory i's group): tau, acceptance of
+    the first draft, rejection rate."""
     groups = defaultdict(list)
-    for t in trajs:
-        groups[key(t)].append(t)
+    for t, key in zip(trajs, keys):
+        groups[key].append(t)
     rows = []
     for value in sorted(groups):
         members = groups[value]
@@ -238,7 +309,7 @@ def format_report(report: dict, top: int = 20) -> str:
     """Terminal tables: the ranked ones cut to `top` rows."""
     lines = [
         f"{report['num_rejections']} rejections in {report['num_steps']} verification steps of "
-        f"{report['num_trajectories']} trajectories held in the replay buffer"
+        f"{report['num_trajectories']} trajectories held in the {report.get('buffer', 'replay buffer')}"
     ]
     for name, rows in report["tables"].items():
         shown = rows[:top] if name in RANKED else rows

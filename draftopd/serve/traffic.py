@@ -129,6 +129,14 @@ class TrafficBuffer:
         with self._lock:
             return self.tokens_recorded - mark
 
+    def records(self) -> list[tuple[str, Record]]:
+        """Every record held with its slice ("train" or "holdout"), in order of arrival: what a reader of a saved
+        buffer (`draftopd rejections`) sees, domains included."""
+        with self._lock:
+            self._expire(time.time())
+            held = [("train", r) for r in self._train] + [("holdout", r) for r in self._held]
+        return sorted(held, key=lambda x: x[1].seq)
+
     def stats(self) -> dict:
         with self._lock:
             records = list(self._train) + list(self._held)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from draftopd.bench.opd_vs_sft import t_interval
-from draftopd.bench.serve_process import ServerProcess, serve_args
+from draftopd.bench.serve_process import BENCH_LEARNER, ServerProcess, serve_args
 from draftopd.bench.serve_traffic import ChatClient, lossless_check, send_all, thinking
 
 ARMS = ("on", "off")
@@ -42,7 +42,9 @@ class AdaptSettings:
     num_draft_tokens: int = 4
     shift: str = "thinking-off"  # what the traffic changes (serve_traffic.SHIFTS)
     domain: str | None = None  # one toy domain only (arithmetic, code), or all
-    learner: list[str] = field(default_factory=list)  # `draftopd serve --learner` overrides (FIELD=VALUE)
+    learner: list[str] = field(
+        default_factory=lambda: list(BENCH_LEARNER)
+    )  # `draftopd serve --learner` overrides (FIELD=VALUE)
     server_args: list[str] = field(default_factory=list)  # more `draftopd serve` flags, both arms
     settle_s: float = 0.2  # pause before reading counters after a window (the last step's stats to land)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from draftopd.bench.serve_process import RssSampler, ServerProcess, serve_args
+from draftopd.bench.serve_process import BENCH_LEARNER, RssSampler, ServerProcess, serve_args
 from draftopd.bench.serve_traffic import ChatClient, Reference, lossless_check, send_for, thinking
 
 ARMS = ("on", "off")
@@ -32,7 +32,7 @@ class LoadSettings:
     shift: str = "thinking-off"
     max_tokens: int = 96
     num_draft_tokens: int = 4
-    learner: list[str] = field(default_factory=list)
+    learner: list[str] = field(default_factory=lambda: list(BENCH_LEARNER))
     server_args: list[str] = field(default_factory=list)
 
 

@@ -22,6 +22,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+# The benches' learner budget: 400 steps per 1,000 served tokens, not the server's 50. The toy target answers
+# thinking-off requests in 3-5 tokens, so 50 allows about one step per five requests: at 2 requests/s the
+# learner would idle most of a run. 400 lets it use what the cores give it (about one step a second here).
+BENCH_LEARNER = ["steps_per_1k_tokens=400"]
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"
 

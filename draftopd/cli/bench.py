@@ -159,6 +159,7 @@ def _families_args(p: argparse.ArgumentParser) -> None:
 
 def _serve_common(p: argparse.ArgumentParser) -> None:
     """The flags both serving benches read: the server's models and K, the traffic, the learner."""
+    from draftopd.bench.serve_process import BENCH_LEARNER
     from draftopd.bench.serve_traffic import SHIFTS
 
     p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
@@ -167,7 +168,13 @@ def _serve_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=at_least_one, default=96, help="max_tokens of every request")
     p.add_argument("--shift", choices=SHIFTS, default="thinking-off", help="what the traffic changes")
     p.add_argument("--concurrency", type=at_least_one, default=None, help="clients sending at once")
-    p.add_argument("--learner", nargs="*", default=[], metavar="FIELD=VALUE", help="the serving learner's overrides")
+    p.add_argument(
+        "--learner",
+        nargs="*",
+        default=list(BENCH_LEARNER),
+        metavar="FIELD=VALUE",
+        help="`serve --learner` overrides (learning on); the default gives the learner the cores' pace on toy traffic",
+    )
     p.add_argument("--server-arg", action="append", default=[], metavar="FLAG", help="more `serve` flags, both arms")
     p.add_argument("--json", default=None, help="the report's path (default: OUT/report.json)")
     p.add_argument("--out", required=True, help="a directory for the report, the servers' run directories and logs")

@@ -44,6 +44,13 @@ def test_percentile_interpolates_between_order_statistics():
     assert percentile([7.0], 99) == 7.0 and math.isnan(percentile([], 50))
 
 
+def test_rss_trace_keeps_one_sample_per_period():
+    from draftopd.bench.serve_load import rss_trace
+
+    samples = [(0.0, 1 << 20), (4.0, 2 << 20), (10.5, 3 << 20), (12.0, 4 << 20), (31.0, 5 << 20)]
+    assert rss_trace(samples, 10.0) == [[0.0, 1.0], [10.5, 3.0], [31.0, 5.0]]
+
+
 def test_tree_rss_counts_children_with_psutil_and_from_proc():
     """A child holding ~64 MiB shows in the tree's RSS, by psutil and by the /proc reader alike."""
     code = "import time; b = bytearray(64 << 20); b[::4096] = b'x' * (16 << 10); print(1, flush=True); time.sleep(30)"

@@ -47,6 +47,17 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def rss_trace(samples: list[tuple[float, int]], every_s: float) -> list[list[float]]:
+    """[seconds, MiB] every `every_s` seconds of the RSS samples (the first sample at or after each mark):
+    whether memory levels off once the traffic buffer is full."""
+    out, mark = [], 0.0
+    for t, rss in samples:
+        if t >= mark:
+            out.append([round(t, 1), round(rss / 2**20, 1)])
+            mark = t - t % every_s + every_s
+    return out
+
+
 def run_load_arm(arm: str, chats: list, expected: dict, s: LoadSettings, out: Path, reference: Reference) -> dict:
     args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args)
     with ServerProcess(out / f"load-{arm}", args) as server:
@@ -75,6 +86,7 @@ def run_load_arm(arm: str, chats: list, expected: dict, s: LoadSettings, out: Pa
         "peak_rss_mb": sampler.peak / 2**20,
         "rss_first_mb": samples[0][1] / 2**20 if samples else float("nan"),
         "rss_last_mb": samples[-1][1] / 2**20 if samples else float("nan"),
+        "rss_trace_mb": rss_trace(samples, 10.0),
         "server_ready_s": server.ready_s,
         "learner_steps": status["learner"]["steps"],
         "promotions": status["learner"]["promotions"],

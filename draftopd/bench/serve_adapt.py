@@ -3,7 +3,9 @@ learner on against the same server with it off (the control arm), over seeds.
 
 Per seed and arm, one `draftopd serve` subprocess (same command but `--learning on|off`, its own run directory
 and port) gets the same shifted traffic (serve_traffic.py: toy prompts with thinking off, the seed picks the
-draw) through the `openai` client, `concurrency` requests at a time, in windows of `window` requests. After each
+draw) through the `openai` client, `concurrency` requests at a time and at most `rate` per second (the learner
+learns in wall time: traffic faster than that leaves it fewer steps per request), in windows of `window`
+requests. After each
 window the bench reads vLLM's own speculative-decoding counters from `/metrics`: the window's live tau is
 1 + accepted drafts / draft steps between the two scrapes, whatever drafter version served it, as a user's
 dashboard would show it; `/draftopd/status` gives the drafter version, learner steps, promotions and

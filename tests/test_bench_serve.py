@@ -1,7 +1,7 @@
 """The serving benches (`bench serve-adapt`, `bench serve-load`): their arithmetic on known inputs, the lossless
 check failing on a changed token, and small real runs against real `draftopd serve` subprocesses through the
-`openai` client. The real runs start four servers (two per bench, learning on and off): marked slow (7 min 44 s
-for the file on 2 cores busy with other work; `pytest -m slow tests/test_bench_serve.py`)."""
+`openai` client. The real runs start four servers (two per bench, learning on and off): marked slow (179 s
+measured for both, 464 s with the 2 cores busy with other work; `pytest -m slow tests/test_bench_serve.py`)."""
 
 import json
 import math

@@ -96,22 +96,33 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def launched(tmp_path_factory):
+    """The server process, started and not yet waited for: its minute of start-up overlaps `toy`'s work."""
     root = tmp_path_factory.mktemp("serve")
     srv = Server(root / "run", _free_port(), root / "server.log")
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()
 
 
 @pytest.fixture(scope="module")
-def toy():
+def toy(launched):
+    """The toy target in this process and its answers alone to every prompt the tests send, computed while the
+    server starts."""
     tok = load_tokenizer("toy")
     target = load_target("toy", [1, 2, 3])
     chats = toy_prompts("held_out", 8)
-    return {"tok": tok, "target": target, "eos": eos_ids(tok, "toy"), "chats": chats, "ref": {}}
+    out = {"tok": tok, "target": target, "eos": eos_ids(tok, "toy"), "chats": chats, "ref": {}}
+    for p in encode_chats(tok, chats):  # the completions' prompts are the chats' renderings
+        _alone(out, p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(launched, toy):
+    launched.wait_ready()
+    return launched
 
 
 def _alone(toy, prompt_ids: list[int]) -> list[int]:
@@ -250,8 +261,7 @@ def _noisy_drafter(path: Path, scale: float, seed: int = 0) -> str:
 
 def test_swaps_under_8_concurrent_clients_lose_and_corrupt_nothing(server, toy, capsys):
     prompts = encode_chats(toy["tok"], toy["chats"])
-    for p in prompts:
-        _alone(toy, p)  # references first: the clients' time is the server's
+    assert all(tuple(p) in toy["ref"] for p in prompts)  # references first: the clients' time is the server's
     done, errors, results = [], [], []
     lock = threading.Lock()
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from draftopd.serve.session import ServeSession, StoredDrafter, SwapError, version_path
@@ -114,13 +115,23 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     from draftopd.drafters import family
-    from draftopd.loading import eos_ids, resolve_target_path
+    from draftopd.loading import resolve_target_path
 
     target_dir = str(resolve_target_path(s.target).resolve())
     spec = family(session.kind).speculative_config(drafter_dir, s.num_draft_tokens)
     args = vllm_args(s, target_dir, spec)
     listen, sock = setup_server(args, reuse_port=False)  # bound before the engine starts, as vLLM does
-    engine = _start_engine(args, s.record)
+    session.target_dir = target_dir
+    # vLLM's start mostly waits on its engine and worker processes: what this process needs besides the engine
+    # (the MLflow store, seconds to create; the tokenizer; the learner's target) is made meanwhile on a thread
+    pool = ThreadPoolExecutor(1, thread_name_prefix="draftopd-start")
+    beside = pool.submit(_prepare, s, session)
+    pool.shutdown(wait=False)  # its one task still runs; the thread ends with it
+    try:
+        engine = _start_engine(args, s.record)
+    except BaseException:
+        _discard(beside)
+        raise
     try:
         if s.record:
             await engine.collective_rpc("draftopd_install")
@@ -131,9 +142,8 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
         await init_app_state(engine, app.state, args, supported)
         add_routes(app, session, s.api_key)
         collector = register_metrics(session)
-        tokenizer = _tokenizer(target_dir)
-        session.target_dir, session.eos = target_dir, eos_ids(tokenizer, target_dir)
-        session.start(engine, tokenizer, _tracker(s, session))
+        tokenizer, tracker = await asyncio.wrap_future(beside)
+        session.start(engine, tokenizer, tracker)
         if s.learning:  # a learner that fails to start is logged; serving goes on without it
             await asyncio.get_running_loop().run_in_executor(None, session.start_learner)
         log.warning(
@@ -180,6 +190,32 @@ def _tokenizer(target_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(target_dir)
+
+
+def _prepare(s: ServeSettings, session: ServeSession):
+    """(Its own thread, while vLLM starts.) The tokenizer and end-of-sequence ids, the MLflow run, and with
+    learning on the torch target and drafter the learner starts from."""
+    from draftopd.loading import eos_ids
+
+    tokenizer = _tokenizer(session.target_dir)
+    session.eos = eos_ids(tokenizer, session.target_dir)
+    tracker = _tracker(s, session)
+    if s.learning:
+        try:
+            session.preload_native()
+        except Exception:  # start_learner meets the same error again, logs it and serves without a learner
+            log.exception("draftopd serve: loading the learner's target failed")
+    return tokenizer, tracker
+
+
+def _discard(beside) -> None:
+    """vLLM did not start: the MLflow run made meanwhile (if any) ends as failed."""
+    try:
+        tracker = beside.result()[1]
+        if tracker is not None:
+            tracker.end("FAILED")
+    except Exception:
+        log.exception("draftopd serve: ending the MLflow run of a server that did not start")
 
 
 def _tracker(s: ServeSettings, session: ServeSession):

@@ -248,6 +248,11 @@ class ServeSession:
             self._native_pair = cached = (self.version, target, load_drafter(path, target).eval())
         return cached[1], cached[2]
 
+    def preload_native(self) -> None:
+        """Load the torch target and serving drafter now (seconds), e.g. while vLLM starts, so that the learner
+        starting later finds them."""
+        self._native()
+
     def start_learner(self) -> bool:
         """(Any thread but the loop's: it loads models.) The learner on its own thread, training a copy of the
         serving drafter on the buffer; its proposals are pushed on the server's loop (`propose`). A learner that

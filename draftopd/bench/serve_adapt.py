@@ -8,8 +8,9 @@ learns in wall time: traffic faster than that leaves it fewer steps per request)
 requests. After each window the bench reads vLLM's own speculative-decoding counters from `/metrics`: the
 window's live tau is 1 + accepted drafts / draft steps between the two scrapes, whatever drafter version served
 it, as a user's dashboard would show it; `/draftopd/status` gives the drafter version, learner steps,
-promotions and rejections. The headline is the final window's tau, learning on over off, per seed, with a 95% t-interval over
-seeds. Every response is checked against the target alone at T = 0 (`lossless_failures`), across swaps.
+promotions and rejections. The headline is the final window's tau, learning on over off, per seed, with a
+95% t-interval over seeds. Every response is checked against the target alone at T = 0 (`lossless_failures`),
+across swaps.
 
 The arms' order alternates with the seed (on first for even seeds), so a slow drift of the machine's load does
 not favour one arm.

@@ -113,6 +113,9 @@ class Drafter(Protocol):
     @classmethod
     def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Drafter: ...
 
+    live_push: ClassVar[bool]
+    """Whether a running vLLM engine takes this family's new weights in place (a push); otherwise a new engine."""
+
     @staticmethod
     def max_drafts(cfg) -> int | None:
         """The most drafts one step can hold (a block family: block_size - 1), None for any K. `cfg`: the recipe's

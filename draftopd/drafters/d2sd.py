@@ -186,6 +186,7 @@ class D2SDDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = ()
+    live_push: ClassVar[bool] = False  # not served by vLLM
 
     @staticmethod
     def read_config(raw: dict) -> dict:

@@ -363,6 +363,7 @@ class DFlashDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    live_push: ClassVar[bool] = False  # vLLM's layerwise reload leaves its fused context K/V weights stale
 
     @staticmethod
     def read_config(raw: dict) -> dict:

@@ -363,6 +363,7 @@ class Eagle3Drafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    live_push: ClassVar[bool] = True  # vLLM reloads an EAGLE-3 drafter's weights in place (vllm_backend/hook.py)
 
     @staticmethod
     def read_config(raw: dict) -> dict:

@@ -336,6 +336,7 @@ class PardDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    live_push: ClassVar[bool] = False  # the hook's reload treats the drafter's embedding as the target's
 
     @staticmethod
     def read_config(raw: dict) -> dict:

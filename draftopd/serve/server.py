@@ -53,7 +53,7 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
         spec = family(kind).speculative_config(path, s.num_draft_tokens)
     except ValueError as exc:
         raise LoadError(f"drafter {path}: {exc}") from None
-    if s.learning and spec["method"] != "eagle3":
+    if s.learning and not family(kind).live_push:
         raise LoadError(
             f"--learning on: a '{kind}' drafter cannot take live weight pushes in vLLM (EAGLE-3 only); serve it "
             "with --learning off"

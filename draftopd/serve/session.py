@@ -197,7 +197,9 @@ class ServeSession:
         self.reset_pending = not await self.engine.reset_prefix_cache()  # cached blocks hold the old drafter's KV
 
     def _check_pushable(self) -> None:
-        if self.method != "eagle3":
+        from draftopd.drafters import family
+
+        if not family(self.kind).live_push:
             raise SwapError(
                 f"live weight pushes into vLLM exist for EAGLE-3 drafters only, not '{self.kind}' (vLLM method "
                 f"{self.method}): restart the server on the new checkpoint instead"

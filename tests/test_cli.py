@@ -166,6 +166,11 @@ def test_train_config_typo(capsys, tmp_path):
     one_line_error(capsys, ["train", str(recipe), "sft.epoch=1"], "did you mean 'sft.epochs'")
 
 
+def test_bench_unknown_eval_set(capsys, tmp_path):
+    argv = ["bench", "opd-vs-sft", "--eval-sets", "humaneva", "--out", str(tmp_path / "b")]
+    one_line_error(capsys, argv, "unknown eval set 'humaneva'", "humaneval")
+
+
 def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -173,10 +178,12 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     arms = ["sft-pool", "sft-rollout-temp", "opd", "opd-control"]
     argv = ["bench", "opd-vs-sft", "--steps", "2", "--batch-size", "4", "--eval-every", "1", "--seeds", "0", "1"]
     argv += ["--num-train-prompts", "8", "--num-eval-prompts", "2", "--max-new-tokens", "32", "--eval-ks", "4"]
-    assert main([*argv, "--arms", *arms, "--out", str(out)]) == 0
+    assert main([*argv, "--arms", *arms, "--eval-sets", "humaneval", "--out", str(out)]) == 0
     r = json.loads((out / "report.json").read_text())
     assert list(r["arms"]) == arms and r["headline"] == "toy/k4"
-    assert list(r["start"]) == ["toy/k4", "toy-arithmetic/k4", "toy-code/k4"]
+    # HumanEval's problems, from the package that ships them, held out beside the toy sets.
+    assert list(r["start"]) == ["toy/k4", "toy-arithmetic/k4", "toy-code/k4", "humaneval/k4"]
+    assert r["eval_sets"]["humaneval"] == 2 and r["arms"]["opd"]["tau"]["humaneval/k4"][0] > 1
     for seed in ("0", "1"):
         runs = {a: r["arms"][a]["seeds"][seed] for a in arms}
         # Matched learner compute: the same optimizer steps and rows per arm; rows of the same prompts' responses,

@@ -63,6 +63,13 @@ def _opd_vs_sft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt draws and torch seed")
     p.add_argument("--num-train-prompts", type=int, default=64, help="training prompts")
     p.add_argument("--num-eval-prompts", type=int, default=32, help="held-out prompts per set")
+    p.add_argument(
+        "--eval-sets",
+        nargs="*",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="named held-out sets beside the toy ones, first turns only (e.g. humaneval: the package's 164 problems)",
+    )
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per arm")
     p.add_argument("--batch-size", type=int, default=8, help="rows per step")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate")
@@ -207,6 +214,19 @@ def _toy_sets(tokenizer, n: int, seed: int) -> dict:
     }
 
 
+def _named_sets(tokenizer, args) -> dict:
+    """`--eval-sets`: each named set's first `--num-eval-prompts` conversations, first turn, as prompt ids."""
+    from draftopd.data.eval_sets import load_set
+    from draftopd.data.prompts import encode_chats
+
+    out = {}
+    for item in args.eval_sets:
+        name, _, path = item.partition("=")
+        found = load_set(name, path or None, args.num_eval_prompts, args.seed)
+        out[name] = encode_chats(tokenizer, [conv[0] for conv in found.conversations])
+    return out
+
+
 def _learner_overrides(items: list[str]) -> dict:
     import dataclasses
 
@@ -232,6 +252,7 @@ def _bench_opd_vs_sft(args) -> None:
     from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 
     tokenizer = load_tokenizer(args.target)
+    named = _named_sets(tokenizer, args)  # before the models: a bad set fails fast
     target = load_target(args.target, args.aux_layer_ids)
     drafter_dir = resolve_drafter_path(args.drafter or "toy-plateau")
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
@@ -255,7 +276,7 @@ def _bench_opd_vs_sft(args) -> None:
     )
     torch.manual_seed(args.seed)
     train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
-    held = _toy_sets(tokenizer, args.num_eval_prompts, args.seed)
+    held = _toy_sets(tokenizer, args.num_eval_prompts, args.seed) | named
     eos = eos_ids(tokenizer, args.target)
     report = run_bench(target, eos, lambda: load_drafter(drafter_dir, target), train, held, s)
     report["start_drafter"] = drafter_dir

@@ -27,6 +27,7 @@ TINY = [
     "rollout.max_new_tokens=32",
     "rollout.batch_size=4",
     "learner.batch_size=4",
+    "learner.rej_coef=1.0",  # the recipe turns the rejected stream off; the loop's test keeps it on
     "learner.max_seq_len=192",
     "opd.num_rounds=2",
     "opd.steps_per_round=1",

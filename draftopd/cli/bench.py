@@ -205,26 +205,24 @@ def _serve_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=at_least_one, default=64, help="distinct prompts, cycled")
 
 
-def _toy_sets(tokenizer, n: int, seed: int) -> dict:
-    from draftopd.data.prompts import encode_chats, toy_prompts
-
-    return {
-        name: encode_chats(tokenizer, toy_prompts("held_out", n, seed, domain))
-        for name, domain in (("toy", None), ("toy-arithmetic", "arithmetic"), ("toy-code", "code"))
-    }
-
-
-def _named_sets(tokenizer, args) -> dict:
-    """`--eval-sets`: each named set's first `--num-eval-prompts` conversations, first turn, as prompt ids."""
+def _held_out_sets(tokenizer, items, n: int, seed: int) -> dict:
+    """Held-out sets by name (`NAME` or `NAME=PATH`: the toy sets, or a named set such as humaneval), each set's
+    first `n` conversations, first turn, as prompt ids."""
     from draftopd.data.eval_sets import load_set
     from draftopd.data.prompts import encode_chats
 
     out = {}
-    for item in args.eval_sets:
+    for item in items:
         name, _, path = item.partition("=")
-        found = load_set(name, path or None, args.num_eval_prompts, args.seed)
+        found = load_set(name, path or None, n, seed)
         out[name] = encode_chats(tokenizer, [conv[0] for conv in found.conversations])
     return out
+
+
+def _toy_sets(tokenizer, n: int, seed: int) -> dict:
+    from draftopd.data.eval_sets import TOY_SETS
+
+    return _held_out_sets(tokenizer, TOY_SETS, n, seed)
 
 
 def _learner_overrides(items: list[str]) -> dict:
@@ -247,12 +245,14 @@ def _bench_opd_vs_sft(args) -> None:
     import torch
 
     from draftopd.bench.opd_vs_sft import DEFAULT_ARMS, BenchSettings, curve_plot, run_bench, table
+    from draftopd.data.eval_sets import TOY_SETS
     from draftopd.data.prompts import encode_chats, toy_prompts
     from draftopd.drafters import load_drafter
     from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 
     tokenizer = load_tokenizer(args.target)
-    named = _named_sets(tokenizer, args)  # before the models: a bad set fails fast
+    # the toy sets and --eval-sets, before the models: a bad set fails fast
+    held = _held_out_sets(tokenizer, [*TOY_SETS, *args.eval_sets], args.num_eval_prompts, args.seed)
     target = load_target(args.target, args.aux_layer_ids)
     drafter_dir = resolve_drafter_path(args.drafter or "toy-plateau")
     load_drafter(drafter_dir, target)  # fail early on a bad drafter
@@ -276,7 +276,6 @@ def _bench_opd_vs_sft(args) -> None:
     )
     torch.manual_seed(args.seed)
     train = encode_chats(tokenizer, toy_prompts("train", args.num_train_prompts, seed=args.seed + 1))
-    held = _toy_sets(tokenizer, args.num_eval_prompts, args.seed) | named
     eos = eos_ids(tokenizer, args.target)
     report = run_bench(target, eos, lambda: load_drafter(drafter_dir, target), train, held, s)
     report["start_drafter"] = drafter_dir

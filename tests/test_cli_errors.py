@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from draftopd.cli import build_parser, main
-from draftopd.cli.common import write_json
 from draftopd.loading import ASSETS
+from draftopd.reports import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_DRAFTER = str(ASSETS / "toy-eagle3")

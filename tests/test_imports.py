@@ -154,3 +154,76 @@ def test_the_graph_sees_circles_and_deferred_imports(tmp_path):
     assert graph["draftopd.c"] == {"draftopd.sub"}
     assert graph["draftopd.sub"] == {"draftopd.sub.a"}
     assert cycles(graph) == [["draftopd.sub.a", "draftopd.sub.b", "draftopd.sub.a"]]
+
+
+def room(module: str) -> str:
+    """The room a module stands in: its folder under draftopd (`draftopd.serve.server` -> `serve`), or the
+    module itself for a top-level file (`draftopd.reports` -> `reports`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """Room -> the rooms it imports, each with the module imports behind the arrow (`importer -> imported`)."""
+    rooms: dict[str, dict[str, list[str]]] = {room(m): {} for m in graph}
+    for here, imported in graph.items():
+        for there in imported:
+            if room(here) != room(there):
+                rooms[room(here)].setdefault(room(there), []).append(f"{here} -> {there}")
+    return rooms
+
+
+# The arrows between rooms that still run back up, each with its reason (written where the import stands as
+# well): without them the rooms stand in floors, every import pointing down. A new circle of rooms fails the
+# test until an arrow of it is removed or written here with its reason; a listed arrow that is gone fails it
+# until its line goes.
+BACK_UP = {
+    ("sft", "eval"): "the SFT phase ends on held-out tau measured as every command measures it "
+    "(sft/pipeline.py -> eval/acceptance.py), while eval/diagnose.py reads SFT's batches for the TTT pass",
+    ("eval", "serve"): "the rejection explorer reads a serving run's saved traffic with the buffer's own loader "
+    "(eval/rejections.py -> serve/traffic.py), so that file has one reader",
+    ("vllm_backend", "opd"): "vllm_backend/rollout.py raises opd's StaleWeights when a worker is asked to decode "
+    "with weights it was never pushed",
+}
+
+
+def test_only_the_command_line_imports_the_command_line():
+    """cli/ is the top floor: a room below it that needs one of its helpers needs that helper moved below both."""
+    up = [
+        arrow
+        for here, there in room_graph(import_graph(ROOT)).items()
+        if here != "cli"
+        for arrow in there.get("cli", [])
+    ]
+    assert not up, "modules outside draftopd.cli import it:\n" + "\n".join(sorted(up))
+
+
+def test_the_arrows_that_run_back_up_are_the_known_ones():
+    rooms = room_graph(import_graph(ROOT))
+    gone = [arrow for arrow in BACK_UP if arrow[1] not in rooms.get(arrow[0], {})]
+    assert not gone, f"these arrows are gone; drop their lines from BACK_UP: {gone}"
+    floors = {here: {t for t in there if (here, t) not in BACK_UP} for here, there in rooms.items()}
+    found = cycles(floors)
+    why = [" -> ".join(c) + ": " + "; ".join(a for x, y in zip(c, c[1:]) for a in rooms[x][y]) for c in found]
+    assert not found, "rooms that import each other in a circle (move an import, or give it a reason here):\n" + (
+        "\n".join(why)
+    )
+
+
+def test_the_room_check_sees_circles_of_rooms(tmp_path):
+    """It can fail: a lower room importing a higher one that imports it is a circle, a one-way arrow is not."""
+    pkg = tmp_path / "draftopd"
+    for folder in ("low", "high", "side"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from draftopd.low.b import g\n")
+    (pkg / "low" / "b.py").write_text("g = 1\ndef f():\n    from draftopd.high.c import h\n")
+    (pkg / "high" / "c.py").write_text("h = 2\n")
+    (pkg / "side" / "d.py").write_text("from draftopd.low import b\n")
+    rooms = room_graph(import_graph(tmp_path))
+    assert rooms["low"] == {"high": ["draftopd.low.b -> draftopd.high.c"]}
+    floors = {here: set(there) for here, there in rooms.items()}
+    assert cycles(floors) == [["high", "low", "high"]]
+    floors["low"].discard("high")
+    assert cycles(floors) == []

@@ -372,7 +372,7 @@ def _native(target, drafter, prompts, eos):
 
 
 def _vllm(path, prompts, eos):
-    from draftopd.engine.backends import EngineSet
+    from draftopd.eval.engines import EngineSet
     from draftopd.messages import SamplingConfig
 
     engines = EngineSet("vllm", eos, target_path="toy", drafter_path=str(path))

@@ -34,7 +34,7 @@ def engine(toy, tmp_path_factory):
     """vLLM serving the shipped drafter as exported by `draftopd export --format vllm`, built the way
     `draftopd generate/eval --backend vllm` build theirs."""
     from draftopd.cli import main
-    from draftopd.engine.backends import EngineSet
+    from draftopd.eval.engines import EngineSet
 
     out = tmp_path_factory.mktemp("export") / "drafter"
     assert main(["export", "--drafter", str(ASSETS / "toy-eagle3"), "--format", "vllm", "--out", str(out)]) == 0

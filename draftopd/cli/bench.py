@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from draftopd.cli.common import HelpFormatter, add_command, at_least_one, write_json
+from draftopd.cli.common import HelpFormatter, add_command, at_least_one
+from draftopd.reports import write_json
 
 
 def register(sub) -> None:

@@ -4,10 +4,7 @@ the parser, and the one way a group adds a command (its parser beside its handle
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from collections.abc import Callable
-from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,20 +54,3 @@ def add_command(sub, name: str, handler: Callable, summary: str, description: st
     p = sub.add_parser(name, description=description or summary, formatter_class=HelpFormatter)
     p.set_defaults(handler=handler, summary=summary)
     return p
-
-
-def finite(obj):
-    """`obj` with every NaN or infinite float replaced by None: JSON has no NaN, and readers choke on it."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def write_json(path: Path, obj) -> None:
-    """A report as strict JSON (non-finite floats as null), its folder made."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite(obj), indent=2, allow_nan=False) + "\n")

@@ -7,8 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from draftopd.cli.common import SHIPPED, add_command, at_least_one, resolve_drafter_path, write_json
+from draftopd.cli.common import SHIPPED, add_command, at_least_one, resolve_drafter_path
 from draftopd.data.eval_sets import EvalSetError
+from draftopd.reports import write_json
 
 
 def register(sub) -> None:
@@ -114,7 +115,7 @@ def _sampling_args(p: argparse.ArgumentParser, multi_k: bool = False) -> None:
 def _engines(args, eos: list[int], num_engines: int):
     """The EngineSet of --backend: native loads the torch models here; vLLM loads them in its own engines."""
     from draftopd.drafters import load_drafter
-    from draftopd.engine.backends import EngineSet
+    from draftopd.eval.engines import EngineSet
     from draftopd.loading import load_target
 
     if args.backend == "vllm":

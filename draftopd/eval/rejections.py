@@ -77,6 +77,8 @@ def is_serving_run(run_dir: str | Path) -> bool:
 def read_traffic(run_dir: str | Path) -> tuple[list, dict]:
     """((slice, Record) of every trajectory a serving run saved, oldest first; the buffer's stats), loaded with
     the buffer's own loader, keeping all it saved; FileNotFoundError when nothing was saved yet."""
+    # Up into serve/: a serving run's saved traffic has one reader, the buffer's own loader, so the explorer and
+    # the server can never disagree on the file's format.
     from draftopd.serve.traffic import FILE, TrafficBuffer
 
     path = Path(run_dir) / TRAFFIC / FILE

@@ -253,7 +253,7 @@ def add_routes(app, session: ServeSession, api_key: str) -> None:
     async def status(request):
         if not allowed(request):
             return denied()
-        from draftopd.cli.common import finite
+        from draftopd.reports import finite
 
         return JSONResponse(finite(session.status()))
 

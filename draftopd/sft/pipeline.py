@@ -15,6 +15,9 @@ from draftopd.data.pool import pool_trajectories
 from draftopd.data.prompts import encode_chats, load_prompts
 from draftopd.drafters import load_drafter, new_drafter, save_drafter
 from draftopd.engine.speculative import SpeculativeEngine
+
+# Up into eval/ (which reads SFT's batches in eval/diagnose.py): the SFT phase ends on held-out tau measured the
+# one way every command measures it; eval/acceptance.py itself stands on the engine and the messages alone.
 from draftopd.eval.acceptance import evaluate, format_table
 from draftopd.loading import eos_ids, load_target, load_tokenizer
 from draftopd.messages import SamplingConfig, Trajectory

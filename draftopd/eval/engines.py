@@ -1,9 +1,10 @@
-"""The engines a command decodes with, chosen by `--backend native|vllm`, one per K (0: the target alone).
+"""The engines `draftopd eval` decodes with, chosen by `--backend native|vllm`, one per K (0: the target alone).
 
 Both kinds answer `generate(prompts, sampling)` with the same Trajectory records.
 Native engines are cheap views over the loaded torch models. vLLM fixes the
 speculator and K when it starts, so each K gets its own `vllm.LLM`, built on
-first use and kept for the command's lifetime; they share `memory_fraction`.
+first use and kept for the command's lifetime; they share `memory_fraction`. It stands here, above both
+engines, so that the native engine's room (engine/) never imports the vLLM backend built on it.
 """
 
 from __future__ import annotations

@@ -140,14 +140,14 @@ def test_toy_recipes_use_the_tokenizers_mask_row_and_the_published_decay():
 
 
 @pytest.fixture(scope="session")
-def zlab(request):
+def zlab(tmp_path_factory):
     """z-lab's `dflash` 0.1.0 model module. Its exact pins (transformers 5.15, tqdm, datasets, requests) clash
-    with ours, but `dflash.model` needs only torch and transformers' Qwen3 modules: it is installed once,
-    without dependencies, into pytest's cache (a few seconds) and imported beside this project's stack."""
-    dest = Path(request.config.cache.mkdir("dflash-0.1.0"))
-    if not (dest / "dflash" / "model.py").is_file():
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(dest), "dflash==0.1.0"]
-        subprocess.run(cmd, check=True, timeout=300)
+    with ours, but `dflash.model` needs only torch and transformers' Qwen3 modules: it is installed once per
+    session, without dependencies, into a temporary directory of its own (a few seconds; pytest's cache may be
+    off, `-p no:cacheprovider`) and imported beside this project's stack."""
+    dest = tmp_path_factory.mktemp("dflash-0.1.0")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(dest), "dflash==0.1.0"]
+    subprocess.run(cmd, check=True, timeout=300)
     sys.path.insert(0, str(dest))
     try:
         import dflash.model

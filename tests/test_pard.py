@@ -65,6 +65,80 @@ def test_grid_logits_are_the_chain_run_alone(pair):
         torch.testing.assert_close(grid[0, d, t], alone[0, -1], rtol=0, atol=1e-10)
 
 
+def _dense_copies(drafter, input_ids, features, valid, kept):
+    """`copies` as it ran before the layout: the whole [B, T, T] boolean mask into transformers' sdpa."""
+    copy, pos, mask = copy_layout(kept)
+    real_pos = pos.clamp_max(input_ids.shape[1] - 1)
+    ids = torch.where(copy == 0, input_ids[:, real_pos], torch.full_like(input_ids[:, real_pos], drafter.mask_token_id))
+    key_ok = (copy != 0)[None] | valid[:, real_pos]
+    mask = (mask[None] & key_ok[:, None, :]) | torch.eye(len(pos), dtype=torch.bool)[None]
+    base = pos - copy
+    feats = features[:, base.clamp_min(0)] * (base >= 0)[None, :, None].to(features.dtype)
+    return drafter.run(ids, pos.expand(input_ids.shape[0], -1), mask, feats)
+
+
+@pytest.mark.parametrize("elements", [None, 4 * 8 * 12])  # one chunk; chunks of 12 query rows, checkpointed
+def test_the_copies_layout_attention_gives_the_dense_masks_logits_and_gradients(pair, monkeypatch, elements):
+    from draftopd.drafters import pard_attention
+
+    if elements:
+        monkeypatch.setattr(pard_attention, "CHUNK_ELEMENTS", elements)
+    target, drafter = pair
+    torch.manual_seed(3)
+    ids = torch.randint(2, 16, (2, 11))
+    valid = torch.ones(2, 11, dtype=torch.bool)
+    valid[1, :2] = False  # left padding: keys that no query may see
+    feats = drafter.features(target.forward(ids, torch.arange(11).expand(2, 11))).detach()
+    kept = cod_keep(11, 5, 0.7, 0.3, torch.Generator().manual_seed(1))  # with wrap-around chains
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    runs = []
+    for run in (
+        lambda f: drafter.copies(ids, f, valid, kept)[0],
+        lambda f: _dense_copies(drafter, ids, f, valid, kept),
+    ):
+        f = feats.clone().requires_grad_()
+        logits = run(f)
+        g = torch.Generator().manual_seed(5)
+        loss = (logits * torch.randn(logits.shape, generator=g, dtype=logits.dtype)).sum()
+        runs.append([logits, *torch.autograd.grad(loss, [f, *params])])
+    assert runs[0][0].shape[1] == sum(len(k) for k in kept) > 4 * 8 * 12 // (2 * 4 * 11)
+    for new, old in zip(*runs):
+        torch.testing.assert_close(new, old, rtol=1e-12, atol=1e-12)
+
+
+def _pard_saved_bytes(drafter, length: int) -> int:
+    """Bytes of the storages one `score` over `length` tokens at depth 4 (Draft-OPD's replay: every row, four
+    copies) keeps for backward, parameters left out, on the meta device (as tests/test_ttt_memory.py counts)."""
+    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+    feats = torch.randn(1, length, drafter.target_proj.in_features, device="meta")
+    valid = torch.ones(1, length, dtype=torch.bool, device="meta")
+    weights = {t.untyped_storage()._cdata for t in [*drafter.parameters(), *drafter.buffers()]}
+    seen = {}
+
+    def pack(x):
+        if x.untyped_storage()._cdata not in weights:
+            seen[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        drafter.score(ids, feats, valid, 4)
+    return sum(seen.values())
+
+
+def test_pard_training_memory_grows_linearly(monkeypatch):
+    """4x the tokens keep at most 5x the bytes for backward once the copies are chunked (as long sequences are);
+    the whole mask in one pass, the former computation, grows quadratically."""
+    from draftopd.drafters import pard_attention
+
+    drafter = tiny_drafter(tiny_target(vocab=64, hidden=256, dtype=torch.float32), kind="pard").to("meta")
+    monkeypatch.setattr(pard_attention, "CHUNK_ELEMENTS", 1 << 20)
+    short, long = _pard_saved_bytes(drafter, 512), _pard_saved_bytes(drafter, 2048)
+    assert long / short <= 5.0, (short / 2**20, long / 2**20)
+    monkeypatch.setattr(pard_attention, "CHUNK_ELEMENTS", 1 << 62)  # never chunked
+    short, long = _pard_saved_bytes(drafter, 512), _pard_saved_bytes(drafter, 2048)
+    assert long / short > 5.0, (short / 2**20, long / 2**20)
+
+
 def test_cod_keeps_the_published_counts_and_whole_chains():
     g = torch.Generator().manual_seed(0)
     kept = cod_keep(20, 8, 0.7, 0.2, g)

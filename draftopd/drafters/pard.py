@@ -6,8 +6,9 @@ text, copy i (1..K-1) holds the reserved `<|mask|>` id everywhere. The copy-i
 query at position p sees the real tokens x_0..x_{p-i} and one mask per copy
 j = 1..i at position p - i + j (itself included), all copies at positions
 0..L-1, so it is the i-th mask after a prefix ending at x_{p-i} and its logit
-predicts x_{p+1} (`copy_layout`). Conditional drop (COD, `cod_keep`) keeps copy
-0 whole and, in copy i, int(L * max(r^i, r_min)) positions drawn among the
+predicts x_{p+1} (`copy_layout`; the model reads the layout chunk by chunk,
+drafters/pard_attention.py). Conditional drop (COD, `cod_keep`) keeps copy 0
+whole and, in copy i, int(L * max(r^i, r_min)) positions drawn among the
 successors of those kept in copy i - 1, so every kept mask keeps its chain.
 
 PARD-2 adds target features: the target's states at `target_layer_ids` are
@@ -53,6 +54,7 @@ from torch import nn
 
 from draftopd.divergences import cat_weights
 from draftopd.drafters.base import Pick, pick_block
+from draftopd.drafters.pard_attention import ATTENTION, layout, layout_rows, register_attention
 from draftopd.models.layers import at_least_fp32
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -93,15 +95,16 @@ def cod_keep(length: int, num_copies: int, ratio: float, minimum: float, generat
 def copy_layout(kept: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(copy [T], position [T], mask [T, T]) of the kept tokens of all copies, concatenated copy by copy.
 
-    mask[a, b]: query a = (i, p) may attend key b: the real token (0, q) with q <= p - i, or the mask (j, q) of
-    its own chain, 1 <= j <= i and q = p - i + j. Wrap-around queries (p < i) see only their chain's masks.
+    mask[a, b]: query a may attend key b (`pard_attention.layout_rows`); the model is given the layout, not this
+    mask, and builds its rows chunk by chunk.
     """
-    copy = torch.cat([torch.full_like(k, i) for i, k in enumerate(kept)])
-    pos = torch.cat(kept)
-    base = (pos - copy)[:, None]  # position of the last real token the query sees
-    real = (copy[None] == 0) & (pos[None] <= base)
-    chain = (copy[None] >= 1) & (copy[None] <= copy[:, None]) & (pos[None] == base + copy[None])
-    return copy, pos, real | chain
+    copy, pos = copy_positions(kept)
+    return copy, pos, layout_rows(copy, pos, 0, len(pos))
+
+
+def copy_positions(kept: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(copy [T], position [T]) of the kept tokens of all copies, concatenated copy by copy."""
+    return torch.cat([torch.full_like(k, i) for i, k in enumerate(kept)]), torch.cat(kept)
 
 
 # ---- the model --------------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ class PardDrafter(nn.Module):
         cfg = lm.config
         if not 0 <= mask_token_id < cfg.vocab_size:
             raise ValueError(f"pard_token {mask_token_id} is outside the vocabulary of {cfg.vocab_size}")
-        lm.config._attn_implementation = "sdpa"
+        register_attention()
+        lm.config._attn_implementation = ATTENTION  # sdpa, chunked over the copies' layout
         self.lm = lm
         self.mask_token_id = mask_token_id
         self._aux = list(aux_layer_ids)
@@ -142,7 +146,8 @@ class PardDrafter(nn.Module):
         return self.lm.lm_head
 
     def run(self, ids, positions, mask, feats=None) -> torch.Tensor:
-        """Logits [B, T, V] of tokens `ids` at `positions` under the boolean `mask` [B, T, T] (True: attend);
+        """Logits [B, T, V] of tokens `ids` at `positions` under the boolean `mask` [B, T, T] (True: attend) or
+        the copies' layout [B, T, 3] (`pard_attention.layout`, the mask built chunk by chunk);
         `feats` [B, T, F] are already shifted and placed (None: the target-independent mode)."""
         x = self.lm.get_input_embeddings()(ids)
         if feats is not None:
@@ -153,16 +158,15 @@ class PardDrafter(nn.Module):
         """Logits [B, T, V] and (copy, position) [T] of the kept tokens of every copy (see `copy_layout`)."""
         dev = input_ids.device
         kept = [k.to(dev) for k in kept]
-        copy, pos, mask = copy_layout(kept)
+        copy, pos = copy_positions(kept)
         real_pos = pos.clamp_max(input_ids.shape[1] - 1)  # masks may sit past the text's end (not real tokens)
         ids = torch.where(
             copy == 0, input_ids[:, real_pos], torch.full_like(input_ids[:, real_pos], self.mask_token_id)
         )
         base = pos - copy
-        # Keys: real tokens only where valid; every query keeps itself, so no row is empty.
+        # Keys: real tokens only where valid; every query keeps itself (the attention's rule), so no row is empty.
         key_ok = (copy != 0)[None] | valid[:, real_pos]
-        eye = torch.eye(len(pos), dtype=torch.bool, device=dev)
-        mask = (mask[None] & key_ok[:, None, :]) | eye[None]
+        mask = layout(copy, pos, key_ok)
         feats = None
         if features is not None:  # copy i at p carries the (shifted) feature of its last real token x_{p-i}
             feats = features[:, base.clamp_min(0)] * (base >= 0)[None, :, None].to(features.dtype)

@@ -20,6 +20,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -85,14 +86,31 @@ class Server:
         return body
 
     def stop(self) -> int:
+        """SIGTERM, as a process manager stops it; the processes it had started are kept in `children`."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.children = psutil.Process(self.proc.pid).children(recursive=True)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+    def left_running(self, timeout: float = 20.0) -> list[int]:
+        """PIDs of the processes the server had started that still run `timeout` s after it ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = []
+            for c in self.children:
+                try:
+                    if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(c.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +264,27 @@ def test_a_non_loopback_host_without_a_key_is_refused(capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and "--host 0.0.0.0" in err and "API key" in err
 
 
+def test_serving_defaults_follow_the_device(tmp_path):
+    """`auto` dtype and memory: on CPU the toy keeps float32 and a fifth of the memory; on a GPU vLLM's own
+    choices (a float32 target in bfloat16, vLLM's default memory share: the flag is not passed)."""
+    from draftopd.serve.server import vllm_args
+    from draftopd.serve.settings import ServeSettings, serving_dtype, serving_memory_fraction
+
+    toy = ServeSettings()
+    assert (toy.dtype, toy.memory_fraction) == ("auto", None)
+    assert serving_dtype(toy, cuda=False) == "float32" and serving_dtype(toy, cuda=True) == "bfloat16"
+    assert serving_memory_fraction(toy, cuda=False) == 0.2 and serving_memory_fraction(toy, cuda=True) is None
+    real = tmp_path / "bf16-target"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    s = ServeSettings(target=str(real))
+    assert serving_dtype(s, cuda=False) == serving_dtype(s, cuda=True) == "bfloat16"
+    told = ServeSettings(dtype="float16", memory_fraction=0.5)
+    assert serving_dtype(told, cuda=True) == "float16" and serving_memory_fraction(told, cuda=True) == 0.5
+    args = vllm_args(toy, str(ASSETS / "toy-target"), None)  # this machine: CPU
+    assert (args.dtype, args.gpu_memory_utilization, args.shutdown_timeout) == ("float32", 0.2, 30)
+
+
 def _noisy_drafter(path: Path, scale: float, seed: int = 0) -> str:
     """A copy of the shipped drafter with Gaussian noise on every float weight: a worse drafter of the same shape."""
     from draftopd.drafters import read_raw, read_tensors, write_checkpoint
@@ -380,7 +419,14 @@ def test_a_restart_resumes_the_last_promoted_version_and_the_buffer(server, toy)
     from draftopd.serve.settings import ServeSettings
 
     before = server.status()
+    logged = len(server.log.read_text(errors="replace"))
     assert server.stop() == 0
+    # SIGTERM ends it cleanly: nothing leaked or reported on the way out, and no process of its own left behind
+    said = server.log.read_text(errors="replace")[logged:]
+    for report in ("leaked", "nanobind", "resource_tracker", "force killing", "Traceback"):
+        assert report not in said, said[-3000:]
+    assert "all workers exited gracefully" in said
+    assert server.left_running() == []
     session, drafter_dir = open_session(ServeSettings(run_dir=str(server.run), drafter="toy-plateau"))
     assert session.version == 2 and session.history == [0, 2]  # what serving.json says, not the given drafter
     assert Path(drafter_dir) == server.run / "versions" / "v2"

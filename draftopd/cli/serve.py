@@ -8,6 +8,7 @@ import os
 import sys
 
 from draftopd.cli.common import SHIPPED, add_command, at_least_one
+from draftopd.serve.settings import CPU_MEMORY_FRACTION
 
 
 def register(sub) -> None:
@@ -24,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--target", default="toy", help="the target model's directory (`toy`: the shipped toy target)")
     p.add_argument("--drafter", default="toy", help=f"a drafter directory, or {SHIPPED}")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback: --api-key is required")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default="", help="bearer token for /v1/* and /draftopd/* (or DRAFTOPD_API_KEY)")
     p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per verification step")
     p.add_argument("--learning", choices=["on", "off"], default="off", help="train the drafter on the traffic")
@@ -32,11 +33,27 @@ def register(sub) -> None:
     p.add_argument("--run-dir", default="serve-run", help="drafter versions, saved traffic, MLflow store")
     p.add_argument("--buffer-capacity", type=at_least_one, default=4096, help="trajectories kept in memory")
     p.add_argument("--keep-text", action="store_true", help="keep the traffic's text, not only its token ids")
-    p.add_argument("--retention-s", type=float, default=None, help="drop recorded traffic older than this")
+    p.add_argument(
+        "--retention-s",
+        type=float,
+        default=None,
+        help="drop recorded traffic older than this (default: kept until pushed out)",
+    )
     p.add_argument("--rollback-window", type=at_least_one, default=32, help="requests before auto-rollback judges")
-    p.add_argument("--dtype", default="float32", help="vLLM's dtype for the target and drafter")
-    p.add_argument("--max-model-len", type=at_least_one, default=2048)
-    p.add_argument("--memory-fraction", type=float, default=0.2, help="vLLM's gpu_memory_utilization")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's dtype for the target and drafter, and the learner's copy (auto: the target's own, vLLM's "
+        "bfloat16 for a float32 target on a GPU; a float32 target stays float32 on CPU)",
+    )
+    p.add_argument("--max-model-len", type=at_least_one, default=2048, help="vLLM's longest prompt + response")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help=f"vLLM's gpu_memory_utilization (default: vLLM's own on a GPU; {CPU_MEMORY_FRACTION} on CPU, where it "
+        "is the share of the machine's memory vLLM reserves)",
+    )
     p.add_argument("--served-model-name", default="", help="the model name clients send (default: target's dir)")
     p.add_argument("--learner", nargs="*", default=[], metavar="FIELD=VALUE", help="LearnerSettings overrides")
 

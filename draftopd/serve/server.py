@@ -16,16 +16,20 @@ newest); a new run directory starts by storing the given drafter as version 0.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import json
 import logging
 import os
 import secrets
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 from draftopd.serve.session import ServeSession, StoredDrafter, SwapError, version_path
-from draftopd.serve.settings import ServeSettings
+from draftopd.serve.settings import ServeSettings, serving_dtype, serving_memory_fraction
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,9 @@ def resume_point(run: Path, store) -> tuple[int | None, list[int]]:
     return (latest[0], [latest[0]]) if latest else (None, [])
 
 
+SHUTDOWN_TIMEOUT_S = 30
+
+
 def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
     """The namespace vLLM's own server reads (`vllm serve`'s parser), from draftopd's settings."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -84,10 +91,16 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
 
     from draftopd.vllm_backend.hook import EXTENSION
 
-    argv = ["--model", target_dir, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype]
-    argv += ["--max-model-len", str(s.max_model_len), "--gpu-memory-utilization", str(s.memory_fraction)]
+    argv = ["--model", target_dir, "--host", s.host, "--port", str(s.port), "--dtype", serving_dtype(s)]
+    argv += ["--max-model-len", str(s.max_model_len)]
+    fraction = serving_memory_fraction(s)
+    if fraction is not None:  # None: vLLM's own default (on a GPU)
+        argv += ["--gpu-memory-utilization", str(fraction)]
     argv += ["--seed", str(s.seed), "--worker-extension-cls", EXTENSION, "--uvicorn-log-level", "warning"]
     argv += ["--disable-uvicorn-access-log", "--served-model-name", s.served_model_name or Path(target_dir).name]
+    # On SIGTERM/SIGINT vLLM stops its engine within this many seconds; its default, 0, kills the engine and
+    # worker processes at once, which leaves their shared memory for the resource tracker to report.
+    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if s.enforce_eager:
         argv.append("--enforce-eager")
     if spec:
@@ -97,8 +110,9 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
     return make_arg_parser(FlexibleArgumentParser(prog="draftopd serve")).parse_args(argv)
 
 
-def serve(s: ServeSettings) -> int:
-    """Run the server until interrupted (SIGINT/SIGTERM); the session is saved on the way out."""
+def serve(s: ServeSettings) -> NoReturn:
+    """Run the server until interrupted (SIGINT/SIGTERM); the session is saved and the engine stopped on the way
+    out, then the process ends (status 0)."""
     from draftopd.vllm_backend.engine import check_install
 
     check_install()
@@ -107,7 +121,18 @@ def serve(s: ServeSettings) -> int:
     import uvloop
 
     uvloop.run(_serve(s, session, drafter_dir))
-    return 0
+    _exit_closed(0)
+
+
+def _exit_closed(code: int) -> NoReturn:
+    """End the process once serving has closed what it opened (the engine and its processes, the session and its
+    MLflow run, the socket). The atexit handlers run; the interpreter's teardown, which only frees modules, is
+    skipped: there Triton's bindings (imported by vLLM, unused on CPU) report their module-level objects as
+    leaked references, a report about Triton, not about this server."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> None:
@@ -178,12 +203,47 @@ def _start_engine(args, record: bool):
     engine_args = AsyncEngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     check_internals(config) if record else check_runner(config)
-    return AsyncLLM.from_vllm_config(
+    engine = AsyncLLM.from_vllm_config(
         vllm_config=config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats,
     )
+    _stop_outputs_before_the_core(engine)
+    return engine
+
+
+def _stop_outputs_before_the_core(engine) -> None:
+    """Make `engine.shutdown` (called by vLLM's server on SIGTERM, from a thread) stop the task that reads the engine
+    core's outputs before the core itself. vLLM's own order is the reverse, so a core that stops gracefully is seen
+    by that task as dead and logged as an error with a traceback. Requests still running first finish (up to vLLM's
+    shutdown timeout), so their outputs still reach their clients."""
+    from vllm.utils.async_utils import cancel_task_threadsafe
+
+    stop = engine.shutdown
+
+    def shutdown(timeout: float | None = None) -> None:
+        if _on_a_loop():  # (this process's own stop, after vLLM's) nothing to wait for, and no waiting on the loop
+            return stop(timeout=timeout)
+        deadline = time.monotonic() + (timeout or 0)
+        while engine.get_num_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        handler = getattr(engine, "output_handler", None)
+        if handler is not None and not handler.done():
+            cancel_task_threadsafe(handler)
+            while not handler.done() and time.monotonic() < deadline + 5:
+                time.sleep(0.01)
+        stop(timeout=timeout)
+
+    engine.shutdown = shutdown
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _tokenizer(target_dir: str):

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from draftopd.serve.records import LiveTau, RecordSkipped, to_finished, traffic_domain
-from draftopd.serve.settings import ServeSettings
+from draftopd.serve.settings import ServeSettings, serving_dtype
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class ServeSession:
             target = cached[1] if cached else self.learner.target if self.learner is not None else None
             if target is None:
                 ids = self.settings.aux_layer_ids or read_raw(path)[1].get("eagle_aux_hidden_state_layer_ids")
-                target = load_target(self.target_dir, ids or None, self.settings.dtype)
+                target = load_target(self.target_dir, ids or None, serving_dtype(self.settings))
             self._native_pair = cached = (self.version, target, load_drafter(path, target).eval())
         return cached[1], cached[2]
 

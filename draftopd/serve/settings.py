@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass, field
 
 LOOPBACK_NAMES = ("localhost",)
@@ -10,7 +11,7 @@ LOOPBACK_NAMES = ("localhost",)
 
 @dataclass
 class ServeSettings:
-    """One serving session. Defaults suit the toy target on CPU; a real target sets dtype and memory."""
+    """One serving session. Defaults suit the device it runs on: the toy target on CPU, a real one on a GPU."""
 
     target: str = "toy"  # the target model's directory (`toy`: the shipped toy target)
     drafter: str = "toy"  # the drafter's directory (or a shipped toy drafter's name)
@@ -30,14 +31,48 @@ class ServeSettings:
     poll_s: float = 0.5  # how often finished requests' records are taken from vLLM's worker
     save_every_s: float = 60.0  # how often the buffer is saved to the run directory
     log_every_s: float = 10.0  # how often live tau goes to MLflow
-    dtype: str = "float32"
+    dtype: str = "auto"  # vLLM's dtype for the target and drafter, and the learner's copy (`auto`: serving_dtype)
     max_model_len: int = 2048
-    memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization (on CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE)
+    memory_fraction: float | None = None  # vLLM's gpu_memory_utilization (None: serving_memory_fraction)
     seed: int = 0
     enforce_eager: bool = True  # no torch.compile: minutes less to start on CPU
     served_model_name: str = ""  # the model name clients send ('' : the target's directory name, `toy` for toy)
     aux_layer_ids: list[int] = field(default_factory=list)  # the learner's target layers ([]: the drafter's own)
     learner: dict = field(default_factory=dict)  # LearnerSettings overrides (field: value)
+
+
+# On CPU vLLM's gpu_memory_utilization is the share of the machine's memory it reserves (the KV cache itself is
+# VLLM_CPU_KVCACHE_SPACE); a fifth is what the toy target needs beside the learner on 24 GiB.
+CPU_MEMORY_FRACTION = 0.2
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def serving_dtype(s: ServeSettings, cuda: bool | None = None) -> str:
+    """The dtype vLLM serves in and the learner's torch copy loads in. `auto` is vLLM's rule, the target config's
+    own dtype with a float32 target in bfloat16, on a GPU; on CPU a float32 target stays float32 (vLLM's rule would
+    take the toy to bfloat16, and its served text is checked against the float32 target alone)."""
+    if s.dtype != "auto":
+        return s.dtype
+    from draftopd.loading import resolve_target_path
+
+    config = json.loads((resolve_target_path(s.target) / "config.json").read_text())
+    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if own == "float32" and (_cuda() if cuda is None else cuda):
+        return "bfloat16"
+    return own
+
+
+def serving_memory_fraction(s: ServeSettings, cuda: bool | None = None) -> float | None:
+    """vLLM's gpu_memory_utilization: as set, else vLLM's own default on a GPU (None: the flag is not passed) and
+    CPU_MEMORY_FRACTION on CPU."""
+    if s.memory_fraction is not None:
+        return s.memory_fraction
+    return None if (_cuda() if cuda is None else cuda) else CPU_MEMORY_FRACTION
 
 
 def is_loopback(host: str) -> bool:

@@ -178,8 +178,9 @@ def test_bench_opd_vs_sft_is_a_matched_paired_experiment(tmp_path):
     arms = ["sft-pool", "sft-rollout-temp", "opd", "opd-control"]
     argv = ["bench", "opd-vs-sft", "--steps", "2", "--batch-size", "4", "--eval-every", "1", "--seeds", "0", "1"]
     argv += ["--num-train-prompts", "8", "--num-eval-prompts", "2", "--max-new-tokens", "32", "--eval-ks", "4"]
-    assert main([*argv, "--arms", *arms, "--eval-sets", "humaneval", "--out", str(out)]) == 0
-    r = json.loads((out / "report.json").read_text())
+    report = tmp_path / "r.json"  # --json names the report's path on every bench (default OUT/report.json)
+    assert main([*argv, "--arms", *arms, "--eval-sets", "humaneval", "--out", str(out), "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
     assert list(r["arms"]) == arms and r["headline"] == "toy/k4"
     # HumanEval's problems, from the package that ships them, held out beside the toy sets.
     assert list(r["start"]) == ["toy/k4", "toy-arithmetic/k4", "toy-code/k4", "humaneval/k4"]

@@ -159,6 +159,36 @@ def test_each_bench_lists_only_its_own_flags(capsys):
         assert not (every - mine) & flags, (bench, (every - mine) & flags)
 
 
+BENCHES = ("opd-vs-sft", "sft-plateau", "engines", "rollout", "families", "serve-adapt", "serve-load")
+
+
+def test_every_bench_takes_the_same_report_flag(capsys):
+    """`--json PATH` means the same on every bench: the report's path, by default OUT/report.json."""
+    for bench in BENCHES:
+        with pytest.raises(SystemExit):
+            main(["bench", bench, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--json PATH the report's path (default: OUT/report.json)" in out, bench
+        assert "--out DIR a directory for the report" in out, bench
+        args = build_parser().parse_args(["bench", bench])
+        assert (args.json, args.out) == (None, f"runs/bench-{bench}"), bench
+
+
+def test_every_flag_of_every_command_shows_its_help_and_default():
+    """A flag without help hides its default from `--help` (argparse formats no line for it)."""
+    import argparse
+
+    def bare(parser, path):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from bare(sub, f"{path} {name}")
+            elif a.option_strings and not a.help:
+                yield f"{path} {a.option_strings[0]}"
+
+    assert list(bare(build_parser(), "draftopd")) == []
+
+
 def test_top_level_help_groups_every_command_by_job(capsys):
     parser = build_parser()
     with pytest.raises(SystemExit):

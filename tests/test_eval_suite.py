@@ -218,3 +218,24 @@ def test_humaneval_is_read_from_the_package_that_ships_it(tmp_path, monkeypatch)
     own.write_text(json.dumps({"task_id": "x/0", "prompt": "def f():\n"}) + "\n")
     mine = load_set("humaneval", str(own))
     assert [c[0][0]["content"] for c in mine.conversations] == ["def f():\n"]
+
+
+def test_a_speedup_measured_on_cpu_says_what_it_means_beside_it():
+    """The SFT run's closing table (as the README's main command ends) and `draftopd eval`'s: tau / (K + 1) in a
+    column of its own, and under a speedup column measured without a GPU, the line that says what it means."""
+    import torch
+
+    from draftopd.eval.acceptance import evaluate, format_table, speedup_note
+    from draftopd.eval.suite import format_suite_table
+    from draftopd.testing import tiny_drafter, tiny_target
+
+    assert not torch.cuda.is_available()  # the line is for CPU runs; on a GPU there is none
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    report, _ = evaluate(target, drafter, [1], [[3, 4, 5], [6, 7]], k=3, temperature=0.0, max_new_tokens=12)
+    lines = format_table([report]).splitlines()
+    assert "tau/(K+1)" in lines[0]
+    assert f"{report['tau'] / 4:.3f}" in lines[2] and f"{report['speedup']:.2f}x" in lines[2]
+    assert lines[3:] == speedup_note() and "on this machine's CPU" in lines[3] and "tau/(K+1)" in lines[3]
+    suite = format_suite_table([{**report, "set": "toy", "variant": "clean", "tau_over_ceiling": report["tau"] / 4}])
+    assert suite.splitlines()[-1] == speedup_note()[0]

@@ -24,7 +24,7 @@ import torch
 
 from draftopd.drafters import family
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
-from draftopd.eval.acceptance import acceptance_stats
+from draftopd.eval.acceptance import acceptance_stats, speedup_note
 from draftopd.vllm_backend.stock import LlmSettings, cut_at_eos, run_job
 
 
@@ -130,4 +130,4 @@ def format_engines(report: dict) -> str:
         lines.append(
             f"{name:<18} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf']:>6.2f}x {r['identical_to_hf']:>10} {tau:>6}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + speedup_note())

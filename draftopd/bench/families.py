@@ -45,7 +45,7 @@ import torch
 
 from draftopd.bench.opd_vs_sft import t_interval
 from draftopd.engine.speculative import SpeculativeEngine
-from draftopd.eval.acceptance import acceptance_stats, timed_generate
+from draftopd.eval.acceptance import acceptance_stats, speedup_note, timed_generate
 from draftopd.messages import SamplingConfig
 
 # Modules that run exactly once per drafter pass while decoding (training paths are not used here).
@@ -365,6 +365,7 @@ def table(report: dict) -> str:
         )
     notes = {r["kind"]: r["params_note"] for r in report["arms"].values()}
     lines += ["", "params: trainable only; " + "; ".join(f"{kind}: {note}" for kind, note in notes.items())]
+    lines += speedup_note()
     if report.get("pairs"):
         lines += ["", "paired tau ratios (mean [95% CI] over seeds; per seed):"]
     for name, p in report.get("pairs", {}).items():

@@ -47,6 +47,17 @@ def _bench(benches, name: str, handler, summary: str) -> argparse.ArgumentParser
     return p
 
 
+def _report_flags(p: argparse.ArgumentParser, name: str, out_holds: str) -> None:
+    """`--out` and `--json`, the same on every bench: the report goes to `--json`, by default OUT/report.json."""
+    p.add_argument("--out", default=f"runs/bench-{name}", metavar="DIR", help=f"a directory for {out_holds}")
+    p.add_argument("--json", default=None, metavar="PATH", help="the report's path (default: OUT/report.json)")
+
+
+def _report_path(args) -> Path:
+    """Where the bench writes its report: `--json`, or OUT/report.json."""
+    return Path(args.json) if args.json else Path(args.out) / "report.json"
+
+
 def _common(p: argparse.ArgumentParser, drafter: str, max_new_tokens: int) -> None:
     """The flags every bench reads: the models, K, the token budget."""
     p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
@@ -58,7 +69,7 @@ def _common(p: argparse.ArgumentParser, drafter: str, max_new_tokens: int) -> No
 
 def _opd_vs_sft_args(p: argparse.ArgumentParser) -> None:
     _common(p, "toy-plateau", 96)
-    p.add_argument("--out", required=True, help="a directory for report.json, plots and an MLflow store")
+    _report_flags(p, "opd-vs-sft", "the report, the plot and an MLflow store")
     p.add_argument("--arms", nargs="+", default=None, help="arms (default: the baselines, opd, control, ref.)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="paired seeds")
     p.add_argument("--seed", type=int, default=0, help="prompt draws and torch seed")
@@ -97,7 +108,7 @@ def _opd_vs_sft_args(p: argparse.ArgumentParser) -> None:
 def _sft_plateau_args(p: argparse.ArgumentParser) -> None:
     _common(p, None, 96)
     p.set_defaults(drafter=None)  # none: a fresh EAGLE-3 drafter
-    p.add_argument("--out", required=True, help="a directory for report.json, plots, an MLflow store, the drafter")
+    _report_flags(p, "sft-plateau", "the report, the plot, an MLflow store and the best drafter")
     p.add_argument("--seed", type=int, default=0, help="prompt draws and sampling seed")
     p.add_argument("--num-train-prompts", type=int, default=800, help="training prompts")
     p.add_argument("--num-eval-prompts", type=int, default=32, help="held-out prompts")
@@ -118,7 +129,7 @@ def _sft_plateau_args(p: argparse.ArgumentParser) -> None:
 
 def _engines_args(p: argparse.ArgumentParser) -> None:
     _common(p, "toy", 128)
-    p.add_argument("--json", required=True, help="the report's path")
+    _report_flags(p, "engines", "the report")
     p.add_argument("--seed", type=int, default=0, help="held-out prompt draw")
     p.add_argument("--num-eval-prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-lookup-tokens", type=int, default=4, help="drafts of prompt lookup")
@@ -131,7 +142,7 @@ def _engines_args(p: argparse.ArgumentParser) -> None:
 
 def _rollout_args(p: argparse.ArgumentParser) -> None:
     _common(p, "toy", 128)
-    p.add_argument("--json", required=True, help="the report's path")
+    _report_flags(p, "rollout", "the report")
     p.add_argument("--seed", type=int, default=0, help="rollout prompt draw")
     p.add_argument("--num-train-prompts", type=int, default=64, help="rollout prompts")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
@@ -161,11 +172,10 @@ def _families_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave out the arm that re-drafts a D²SD drafter's VP rows with its first drafter",
     )
-    p.add_argument("--json", default=None, help="the report's path")
-    p.add_argument("--out", default=None, help="a directory for the plot")
+    _report_flags(p, "families", "the report and the plot")
 
 
-def _serve_common(p: argparse.ArgumentParser) -> None:
+def _serve_common(p: argparse.ArgumentParser, name: str) -> None:
     """The flags both serving benches read: the server's models and K, the traffic, the learner."""
     from draftopd.bench.serve_process import BENCH_LEARNER
     from draftopd.bench.serve_traffic import SHIFTS
@@ -184,12 +194,11 @@ def _serve_common(p: argparse.ArgumentParser) -> None:
         help="`serve --learner` overrides (learning on); the default gives the learner the cores' pace on toy traffic",
     )
     p.add_argument("--server-arg", action="append", default=[], metavar="FLAG", help="more `serve` flags, both arms")
-    p.add_argument("--json", default=None, help="the report's path (default: OUT/report.json)")
-    p.add_argument("--out", required=True, help="a directory for the report, the servers' run directories and logs")
+    _report_flags(p, name, "the report, the servers' run directories and logs")
 
 
 def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
-    _serve_common(p)
+    _serve_common(p, "serve-adapt")
     p.set_defaults(concurrency=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="prompt draws, one pair of servers each")
     p.add_argument("--num-requests", type=at_least_one, default=480, help="requests per seed and arm")
@@ -199,7 +208,7 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_load_args(p: argparse.ArgumentParser) -> None:
-    _serve_common(p)
+    _serve_common(p, "serve-load")
     p.set_defaults(concurrency=8)
     p.add_argument("--seed", type=int, default=0, help="prompt draw")
     p.add_argument("--duration-s", type=float, default=300.0, help="seconds of load per arm")
@@ -282,13 +291,12 @@ def _bench_opd_vs_sft(args) -> None:
     report["start_drafter"] = drafter_dir
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "report.json", report)
+    write_json(_report_path(args), report)
     curve_plot(report, out / "tau_vs_learner_tokens.png")
-    _bench_mlflow(
-        out, "opd-vs-sft", report["settings"], _opd_vs_sft_metrics(report), ["report.json", "tau_vs_learner_tokens.png"]
-    )
+    artifacts = [_report_path(args), out / "tau_vs_learner_tokens.png"]
+    _bench_mlflow(out, "opd-vs-sft", report["settings"], _opd_vs_sft_metrics(report), artifacts)
     print(table(report))
-    print(f"report, plot and MLflow store in {out}")
+    print(f"report in {_report_path(args)}; plot and MLflow store in {out}")
 
 
 def _opd_vs_sft_metrics(report: dict) -> list[tuple[str, float, int]]:
@@ -307,7 +315,7 @@ def _opd_vs_sft_metrics(report: dict) -> list[tuple[str, float, int]]:
     return rows
 
 
-def _bench_mlflow(out: Path, name: str, settings: dict, rows: list, artifacts: list[str]) -> None:
+def _bench_mlflow(out: Path, name: str, settings: dict, rows: list, artifacts: list[Path]) -> None:
     from draftopd.tracking import Tracker
 
     tracker = Tracker(out, "draftopd-bench", name)
@@ -316,7 +324,7 @@ def _bench_mlflow(out: Path, name: str, settings: dict, rows: list, artifacts: l
     for metric, value, step in rows:
         tracker.log_metrics({metric: value}, step=step)
     for a in artifacts:
-        tracker.log_artifact(out / a)
+        tracker.log_artifact(a)
     tracker.end("FINISHED")
 
 
@@ -369,17 +377,17 @@ def _bench_sft_plateau(args) -> None:
     report.update(
         settings=s.__dict__, pool_size=len(examples), pool_temperature=args.pool_temperature, reference=reference
     )
-    write_json(out / "report.json", report)
+    write_json(_report_path(args), report)
     plateau_plot(report, out / "sft_plateau.png", reference)
     rows = [("plateau/tau", c["tau"], c["learner_tokens"]) for c in report["curve"]]
-    _bench_mlflow(out, "sft-plateau", report["settings"], rows, ["report.json", "sft_plateau.png"])
+    _bench_mlflow(out, "sft-plateau", report["settings"], rows, [_report_path(args), out / "sft_plateau.png"])
     b = report["best"]
     state = "plateaued" if report["plateaued"] else "still improving at the step limit"
     print(
         f"SFT {state}: best held-out tau {b['tau']:.3f} at step {b['step']} ({b['learner_tokens']} learner tokens); "
         f"stopped at step {report['stopped_at_step']} ({report['epochs']:.1f} epochs of {len(examples)} responses)"
     )
-    print(f"best drafter in {out / 'drafter'}; report, plot and MLflow store in {out}")
+    print(f"best drafter in {out / 'drafter'}; report in {_report_path(args)}; plot and MLflow store in {out}")
 
 
 def _bench_rollout(args) -> None:
@@ -403,8 +411,9 @@ def _bench_rollout(args) -> None:
         args.max_new_tokens,
         args.batch_size,
     )
-    write_json(Path(args.json), report)
+    write_json(_report_path(args), report)
     print(format_rollout(report))
+    print(f"report in {_report_path(args)}")
 
 
 def _bench_engines(args) -> None:
@@ -431,8 +440,9 @@ def _bench_engines(args) -> None:
         args.vllm_python,
         paths,
     )
-    write_json(Path(args.json), report)
+    write_json(_report_path(args), report)
     print(format_engines(report))
+    print(f"report in {_report_path(args)}")
 
 
 def _bench_families(args) -> None:
@@ -472,12 +482,11 @@ def _bench_families(args) -> None:
         report = run_families(target, eos_ids(tokenizer, args.target), arms, prompts, args.max_new_tokens, pairs)
     except ValueError as exc:
         raise SystemExit(f"bench families: {exc}") from None
-    if args.json:
-        write_json(Path(args.json), report)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        bar_plot(report, Path(args.out) / "families.png")
+    write_json(_report_path(args), report)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    bar_plot(report, Path(args.out) / "families.png")
     print(table(report))
+    print(f"report in {_report_path(args)}, plot in {Path(args.out) / 'families.png'}")
 
 
 def _serve_traffic(args, n: int):
@@ -518,11 +527,11 @@ def _bench_serve_adapt(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = run_adapt(traffic, reference, s, out)
-    write_json(Path(args.json or out / "report.json"), report)
+    write_json(_report_path(args), report)
     curve_plot(report, out / "live_tau_vs_requests.png")
-    _bench_mlflow(out, "serve-adapt", report["settings"], mlflow_rows(report), ["live_tau_vs_requests.png"])
+    _bench_mlflow(out, "serve-adapt", report["settings"], mlflow_rows(report), [out / "live_tau_vs_requests.png"])
     print(table(report))
-    print(f"report, plot, MLflow store and the servers' run directories in {out}")
+    print(f"report in {_report_path(args)}; plot, MLflow store and the servers' run directories in {out}")
 
 
 def _bench_serve_load(args) -> None:
@@ -546,5 +555,6 @@ def _bench_serve_load(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = run_load(chats, expected, reference, s, out)
-    write_json(Path(args.json or out / "report.json"), report)
+    write_json(_report_path(args), report)
     print(table(report))
+    print(f"report in {_report_path(args)}")

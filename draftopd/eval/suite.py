@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftopd.eval.acceptance import acceptance_stats, timed_generate
+from draftopd.eval.acceptance import acceptance_stats, speedup_note, timed_generate
 from draftopd.messages import SamplingConfig
 
 SYSTEM_SHORT = "You are a helpful assistant."
@@ -150,7 +150,7 @@ def format_suite_table(reports: list[dict]) -> str:
             f"{r['tau_over_ceiling']:>9.3f} {rel:>8} {r['tokens_per_s_speculative']:>10.1f} "
             f"{r['tokens_per_s_target_alone']:>10.1f} {r['speedup']:>6.2f}x  {pos}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + speedup_note())
 
 
 def plot_suite(reports: list[dict], out_dir) -> list:

@@ -8,12 +8,13 @@ version first, pushes its weights into the running engine as the offline engine 
 `start_draft_weight_update` / `update_weights` / `finish_weight_update` into draftopd's weight-transfer engine,
 vllm_backend/push.py), labels them with vLLM's weight version, then resets the prefix cache, retried
 in the background while requests hold blocks (vLLM refuses the reset while any run). Requests in flight keep
-running through a swap: verification is by the target, so their output does not change; the steps after it are
+running through a swap (paused for the push itself, vLLM's `pause_generation(mode="keep")`): verification is
+by the target, so their output does not change; the steps after it are
 drafted by the new weights, and such a request's trajectory (drafted by two versions) is left out of training
 and live tau.
 
-The engine is anything with vLLM's `AsyncLLM` methods `collective_rpc`, `update_weight_version` and
-`reset_prefix_cache`.
+The engine is anything with vLLM's `AsyncLLM` methods `collective_rpc`, `pause_generation`,
+`resume_generation`, `update_weight_version` and `reset_prefix_cache`.
 """
 
 from __future__ import annotations

@@ -84,18 +84,23 @@ def push(llm, tensors: dict, version: int, timeout_s: float | None = None) -> No
 
 
 async def push_async(engine, tensors: dict, version: int) -> bool:
-    """The same into vLLM's `AsyncLLM` (the server's engine); returns whether the prefix cache was reset (vLLM
-    refuses while requests hold blocks: the caller retries)."""
+    """The same into vLLM's `AsyncLLM` (the server's engine), whose requests keep arriving: generation is paused
+    around the three calls (vLLM's `pause_generation(mode="keep")`: requests in flight freeze and resume after,
+    as vLLM's RL weight updates do; the draft model is mid-reload between the calls), the version label is set
+    while paused. Returns whether the prefix cache was reset (vLLM refuses while requests hold blocks: the
+    caller retries)."""
     import asyncio
 
     path, info = await asyncio.get_running_loop().run_in_executor(None, write_push, tensors, version)
+    await engine.pause_generation(mode="keep", clear_cache=False)
     try:
         await engine.collective_rpc("start_draft_weight_update")
         try:
             await engine.collective_rpc("update_weights", kwargs={"update_info": info})
         finally:
             await engine.collective_rpc("finish_weight_update")
+        await engine.update_weight_version(str(version))
     finally:
+        await engine.resume_generation()
         path.unlink(missing_ok=True)
-    await engine.update_weight_version(str(version))
     return bool(await engine.reset_prefix_cache())

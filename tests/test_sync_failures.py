@@ -154,6 +154,20 @@ def test_vllm_rollouts_need_a_family_that_takes_pushes_and_full_records_for_the_
         load_config(RECIPE.parent / "toy-opd.yaml", ["rollout.record=partial"])
 
 
+def test_a_vllm_transfer_join_only_joins():
+    """vLLM's trainer rendezvous waits five minutes at most for every member, so a join never starts an engine:
+    the engine is started and warmed up by `prepare_transfer` before the group forms, and a join without one is
+    refused at once (before any rendezvous)."""
+    pytest.importorskip("vllm")
+    from draftopd.loading import ASSETS
+    from draftopd.vllm_backend.rollout import VllmOptions, VllmRollout
+
+    rollout = VllmRollout(str(ASSETS / "toy-target"), [1], VllmOptions())
+    with pytest.raises(RuntimeError, match="prepare_transfer comes before a join"):
+        rollout.join_transfer("weights-0", "127.0.0.1", 1, 1, 2, 5.0, {"architectures": []}, [])
+    assert rollout.engine is None and rollout.transfer == ""
+
+
 def _needs_two_gpus():
     if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
         pytest.skip("a GPU push needs two GPUs: learner rank 0's and the vLLM rollout worker's")
@@ -181,7 +195,7 @@ def test_gpu_pushes_go_through_vllms_weight_transfer_engine(ray_session):
     spec = LearnerSpec("toy", aux, "float32", DrafterConfig(kind="eagle3"), str(ASSETS / "toy-eagle3"))
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5, num_gpus=1).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(2, ray_session.get(learner.free_port.remote())))
-    options = VllmOptions("float32", memory_fraction=0.3, num_draft_tokens=k)
+    options = VllmOptions("float32", memory_fraction=0.3, num_draft_tokens=k, record="full")  # scores compared
     worker = (
         ray_session.remote(RolloutWorker)
         .options(num_cpus=0.5, num_gpus=1)

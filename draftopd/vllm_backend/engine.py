@@ -156,7 +156,8 @@ class VllmEngine:
         """Decode every prompt in one vLLM batch; one Trajectory each, in order, with its steps when recording.
 
         Each trajectory's `policy_version` is the drafter version vLLM's own per-request weight-version spans
-        say served it (`CompletionOutput.weight_versions`); `policy_version`, when given, must be that one."""
+        say served it (`CompletionOutput.weight_versions`); `policy_version`, when given, must be that one, or
+        names the drafter of an engine that was never pushed to nor given a version at start."""
         from draftopd.vllm_backend.stock import completion_ids, generate
 
         if self.has_drafter and sampling.num_draft_tokens != self.num_draft_tokens:
@@ -173,8 +174,10 @@ class VllmEngine:
         for p, rid, out in zip(prompts, ids, outs, strict=True):
             output_ids, finish_reason = completion_ids(out.outputs[0], self.eos)
             served = served_version(out.outputs[0], self.version) if self.has_drafter else -1
-            if self.has_drafter and policy_version is not None and policy_version != served:
-                raise VllmRecordError(f"vLLM says drafter version {served} served a request, not {policy_version}")
+            if self.has_drafter and policy_version is not None:  # the caller names the version it expects
+                if served not in (-1, policy_version):  # -1: no push yet and no version at start
+                    raise VllmRecordError(f"vLLM says drafter version {served} served a request, not {policy_version}")
+                served = policy_version
             traj = Trajectory(
                 prompt_ids=list(p),
                 output_ids=output_ids,

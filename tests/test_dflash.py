@@ -291,7 +291,7 @@ def test_draft_opd_of_dflash_runs_with_vllm_rollout_workers_on_cpu(ray_session, 
     from draftopd.opd.driver import run_opd
     from draftopd.tracking import resolve_tracking_uri
 
-    over = ["rollout.backend=vllm", f"run.out_dir={tmp_path}", "drafter.init=", "rollout.num_workers=1"]
+    over = ["rollout.backend=vllm", f"run.out_dir={tmp_path}", "drafter.init=''", "rollout.num_workers=1"]
     over += ["learner.num_learners=1", "rollout.prompts_per_round=4", "rollout.max_new_tokens=32"]
     over += ["learner.batch_size=2", "opd.num_rounds=2", "opd.steps_per_round=1", "opd.eval_every=1"]
     over += ["opd.num_eval_prompts=2", "eval.max_new_tokens=24", "data.num_train_prompts=16"]

@@ -172,11 +172,26 @@ def _check_choices(cfg: Config) -> None:
         )
 
 
+def _rollout_refusal(cfg: Config, family) -> str:
+    """Why Draft-OPD cannot roll out with vLLM as configured ('' when it can): the drafter must take live pushes
+    (its family's rule), and stock records (vLLM's per-request metrics) carry no rejected stream."""
+    if not cfg.opd.enabled or cfg.rollout.backend != "vllm":
+        return ""
+    if not family.live_push:
+        return f"drafter.kind={cfg.drafter.kind} takes no live weight pushes into vLLM: use rollout.backend=native"
+    if cfg.learner.rej_coef > 0 and cfg.rollout.record != "full":
+        return (
+            f"learner.rej_coef={cfg.learner.rej_coef:g} needs the rejected drafts' scores, which only "
+            "rollout.record=full records (stock records carry the accepted stream): set it, or learner.rej_coef=0"
+        )
+    return ""
+
+
 def _check_family(cfg: Config, family) -> None:
     """The rules of the recipe's drafter family, asked of its class: what it refuses to run, and the most drafts a
     step holds (checked here when the drafter is built from the recipe; a checkpoint's own shape is checked by
     its proposer)."""
-    reason = family.config_refusal(cfg)
+    reason = family.config_refusal(cfg) or _rollout_refusal(cfg, family)
     if reason:
         raise ConfigError(reason)
     d, limit = cfg.drafter, family.max_drafts(cfg.drafter)

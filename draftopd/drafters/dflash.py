@@ -282,16 +282,7 @@ class DFlashDrafter(nn.Module):
 
     @staticmethod
     def config_refusal(cfg) -> str:
-        """Why a resolved recipe cannot run with this family ('' when it can). Pushes into vLLM's DFlash
-        drafter were measured broken on CPU (the hook's reload); on GPUs (sync.backend=nccl) they go through
-        vLLM's weight-transfer engine in one load_weights call, after which DFlash rebuilds its fused context
-        K/V weights (vllm_backend/transfer.py)."""
-        gpu_push = cfg.sync.backend == "nccl" and cfg.rollout.num_gpus_per_worker > 0
-        if cfg.opd.enabled and cfg.rollout.backend == "vllm" and not gpu_push:
-            return (
-                "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's DFlash drafter does not take "
-                "yet: rollout.backend=native with drafter.kind=dflash"
-            )
+        """Why a resolved recipe cannot run with this family ('' when it can): nothing DFlash-specific."""
         return ""
 
     @property
@@ -363,7 +354,7 @@ class DFlashDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
-    live_push: ClassVar[bool] = False  # vLLM's layerwise reload leaves its fused context K/V weights stale
+    live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_dflash.py pushes, decodes)
 
     @staticmethod
     def read_config(raw: dict) -> dict:

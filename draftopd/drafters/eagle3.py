@@ -363,7 +363,7 @@ class Eagle3Drafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
-    live_push: ClassVar[bool] = True  # vLLM reloads an EAGLE-3 drafter's weights in place (vllm_backend/hook.py)
+    live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_vllm_backend.py)
 
     @staticmethod
     def read_config(raw: dict) -> dict:

@@ -183,11 +183,13 @@ class PardDrafter(nn.Module):
 
     @staticmethod
     def config_refusal(cfg) -> str:
-        """Why a resolved recipe cannot run with this family ('' when it can)."""
+        """Why a resolved recipe cannot run with this family ('' when it can). vLLM's draft model takes PARD pushes
+        (tests/test_pard_vllm.py), but only in the TI mode, and the drafter Draft-OPD trains holds `target_proj`
+        (the TD mode, which no stock vLLM method runs): its rollouts would decode another policy."""
         if cfg.opd.enabled and cfg.rollout.backend == "vllm":
             return (
-                "Draft-OPD pushes drafter weights into the rollout engine, which vLLM's draft model (PARD) does not "
-                "take yet: rollout.backend=native with drafter.kind=pard"
+                "Draft-OPD trains PARD's target-dependent mode, which vLLM's draft model does not run (TI only): "
+                "rollout.backend=native with drafter.kind=pard"
             )
         return ""
 
@@ -340,7 +342,7 @@ class PardDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
-    live_push: ClassVar[bool] = False  # the hook's reload treats the drafter's embedding as the target's
+    live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_pard_vllm.py pushes, decodes)
 
     @staticmethod
     def read_config(raw: dict) -> dict:

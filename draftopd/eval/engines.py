@@ -25,13 +25,17 @@ class EngineSet:
         num_engines: int = 1,
         dtype: str = "float32",
         memory_fraction: float = 0.2,
+        record: str = "stock",
     ):
+        """`record`: how a vLLM engine records steps (vllm_backend/engine.py): `stock` (vLLM's per-request
+        metrics, enough for tau) or `full` (the recording hook: every drafted token and both models' scores)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}: {', '.join(BACKENDS)}")
         self.backend, self.eos = backend, list(eos)
         self.target, self.drafter = target, drafter
         self.target_path, self.drafter_path, self.dtype = target_path, drafter_path, dtype
         self.memory_fraction = memory_fraction / max(1, num_engines)
+        self.record = record
         self.vllm: dict[int, object] = {}
 
     def get(self, k: int):
@@ -51,6 +55,7 @@ class EngineSet:
                 num_draft_tokens=k or 1,
                 dtype=self.dtype,
                 memory_fraction=self.memory_fraction,
+                record=self.record,
             )
         return self.vllm[k]
 

@@ -166,10 +166,14 @@ def _report(trajs: list[Trajectory], tokenizer, domains: list[str | None] | None
     """The tables; `domains`: each trajectory's domain (None: unknown, left out), or None for no by_domain."""
     show = _Decoder(tokenizer)
     rejected, judged, pairs, contexts = Counter(), Counter(), Counter(), defaultdict(Counter)
+    unscored = 0
     for traj in trajs:
         full = traj.full_ids
         for step in traj.steps:
             a = step.num_accepted
+            if not step.scored:  # stock records: which draft was rejected is not known (messages.py)
+                unscored += step.rejected
+                continue
             judged.update(step.draft_tokens[: a + 1])
             if not step.rejected:
                 continue
@@ -179,6 +183,12 @@ def _report(trajs: list[Trajectory], tokenizer, domains: list[str | None] | None
             pairs[draft, replacement] += 1
             at = step.position + a  # index of the rejected draft in the sequence
             contexts[tuple(full[max(0, at - context) : at])][draft, replacement] += 1
+    if unscored:
+        notes = [
+            *notes,
+            f"{unscored} rejections come from stock records (rollout.record: stock), which do not name "
+            "the rejected draft: counted by offset, not in the token tables",
+        ]
     tables = {
         "rejected_tokens": _token_table(rejected, judged, pairs, show),
         "replacements": _pair_table(pairs, show),

@@ -40,6 +40,7 @@ def rollout_actors(cfg: Config, eos: list[int]):
 
         options = VllmOptions(cfg.target.dtype, r.vllm_memory_fraction, r.vllm_max_model_len, r.vllm_enforce_eager)
         options.num_draft_tokens = r.num_draft_tokens  # K of an engine started to receive a weight transfer
+        options.record = r.record
     args = (cfg.target.path, cfg.target.aux_layer_ids, cfg.target.dtype, eos, r.num_threads)
     return [actor.remote(*args, i, r.backend, options) for i in range(r.num_workers)]
 

@@ -176,9 +176,13 @@ def build_replay_batch(
             # (through a rejected draft, or beyond the block when the replay depth exceeds K) no label.
             acc_w[row, a + 1 :, t] = 0.0
             for d in range(k):
-                if d:
+                # A stock step's accepted drafts are the teacher-forced tokens already in the grid; its others
+                # are unknown (-1) and keep them too: no weight reaches past them (rej_coef 0, config.py).
+                if d and step.scored:
                     depth_tokens[row, d, t] = step.draft_tokens[d - 1]
                 acc_w[row, d, t] = decay**d if d <= a and t + 2 + d <= length - 1 else 0.0  # label exists
+                if not step.scored:  # stock records: the accepted stream only (messages.py)
+                    continue
                 if d >= a and (rejected_offsets == "all" or d == a):
                     rej_w[row, d, t] = decay**d
                     rej_idx[row, d, t] = max(int(t2d_index[step.draft_tokens[d]]), 0)

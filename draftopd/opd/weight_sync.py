@@ -174,8 +174,11 @@ class CollectiveSync(WeightSync):
         host, port = self.rt.get(learners[0].free_port.remote())
         name, n = next(self._names), len(workers) + 1
         args = (self.transport, host, port, n, self.timeout_s)
-        joins = [learners[0].join_weight_group.remote(name, 0, *args)]
         layout = (drafter_config, self.items)  # what a vLLM worker starts its drafter engine from, if it has none
+        # engines start (and warm up) before any member joins: vLLM's rendezvous gives the others five minutes
+        prepares = [w.prepare_weight_group.remote(self.transport, layout) for w in workers]
+        self._round(name, prepares, [f"rollout worker {i}" for i in range(len(workers))])
+        joins = [learners[0].join_weight_group.remote(name, 0, *args)]
         joins += [w.join_weight_group.remote(name, r + 1, *args, layout) for r, w in enumerate(workers)]
         self._round(name, joins, ["learner rank 0"] + [f"rollout worker {i}" for i in range(len(workers))])
         self.group = name

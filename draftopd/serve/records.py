@@ -4,7 +4,7 @@ The server's background task takes, every fraction of a second, the records of t
 longer holds (`draftopd_take_finished`). Each becomes one `Trajectory` with the offline engine's conventions
 (`output_ids[0]` from the prefill, output cut at the first stop id and at max_tokens as vLLM cuts its response,
 the last step's `emitted` cut with it), checked by the same code as the offline engine's records
-(`vllm_backend.engine._steps`). Plain functions and one small class: nothing here touches vLLM or the network,
+(`vllm_backend.steps.hook_steps`). Plain functions and one small class: nothing here touches vLLM or the network,
 so the tests drive them with hand-made records.
 
 Live tau is vLLM's own convention, (accepted + steps) / steps: the mean tokens a verification step yields when
@@ -58,12 +58,12 @@ def to_finished(record: dict, start_version: int, num_draft_tokens: int, domain:
     """A `draftopd_take_finished` record -> `Finished`; RecordSkipped when its records do not cover its output.
 
     `start_version` names the drafter vLLM started with (the hook reports None until the first reload)."""
-    from draftopd.vllm_backend.engine import VllmRecordError, _steps
+    from draftopd.vllm_backend.steps import HookStep, VllmRecordError, hook_steps
 
-    steps = record.get("steps") or []
+    steps = [HookStep.of(s) for s in record.get("steps") or []]
     output = record.get("output_ids")
     if output is None or any(t < 0 for t in output):  # no request state, or placeholders of async scheduling
-        output = list(record.get("output_before") or []) + [t for s in steps for t in s[4]]
+        output = list(record.get("output_before") or []) + [t for s in steps for t in s.emitted]
     output, reason = cut_output(output, record.get("stop_ids") or [], record.get("max_tokens"))
     versions = {start_version if v is None else int(v) for v in record.get("versions") or [None]}
     traj = Trajectory(
@@ -77,7 +77,7 @@ def to_finished(record: dict, start_version: int, num_draft_tokens: int, domain:
     if len(record.get("output_before") or []) != 1:  # the first step did not follow the prefill's token
         raise RecordSkipped(f"its first recorded step follows {len(record.get('output_before') or [])} tokens, not 1")
     try:
-        traj.steps = _steps(traj, steps, None)
+        traj.steps = hook_steps(traj, steps, None)
     except VllmRecordError as exc:
         raise RecordSkipped(str(exc)) from None
     accepted = sum(s.num_accepted for s in traj.steps)

@@ -59,8 +59,7 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
         raise LoadError(f"drafter {path}: {exc}") from None
     if s.learning and not family(kind).live_push:
         raise LoadError(
-            f"--learning on: a '{kind}' drafter cannot take live weight pushes in vLLM (EAGLE-3 only); serve it "
-            "with --learning off"
+            f"--learning on: a '{kind}' drafter cannot take live weight pushes in vLLM; serve it with --learning off"
         )
     buffer = TrafficBuffer.load(
         run / "traffic", s.buffer_capacity, keep_text=s.keep_text, seed=s.seed, retention_s=s.retention_s or 0.0
@@ -96,15 +95,19 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
     fraction = serving_memory_fraction(s)
     if fraction is not None:  # None: vLLM's own default (on a GPU)
         argv += ["--gpu-memory-utilization", str(fraction)]
-    argv += ["--seed", str(s.seed), "--worker-extension-cls", EXTENSION, "--uvicorn-log-level", "warning"]
+    argv += ["--seed", str(s.seed), "--uvicorn-log-level", "warning"]
+    if s.record:  # the hook records (pushes need it not): V1's synchronous steps, which it wraps
+        argv += ["--worker-extension-cls", EXTENSION, "--no-async-scheduling"]
     argv += ["--disable-uvicorn-access-log", "--served-model-name", s.served_model_name or Path(target_dir).name]
     # On SIGTERM/SIGINT vLLM stops its engine within this many seconds; its default, 0, kills the engine and
     # worker processes at once, which leaves their shared memory for the resource tracker to report.
     argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if s.enforce_eager:
         argv.append("--enforce-eager")
-    if spec:
-        argv += ["--speculative-config", json.dumps(spec)]
+    if spec:  # pushes through vLLM's weight-transfer calls into draftopd's engine (vllm_backend/push.py)
+        from draftopd.vllm_backend.push import CONFIG
+
+        argv += ["--speculative-config", json.dumps(spec), "--weight-transfer-config", json.dumps(CONFIG)]
     if s.api_key:
         argv += ["--api-key", s.api_key]
     return make_arg_parser(FlexibleArgumentParser(prog="draftopd serve")).parse_args(argv)
@@ -191,18 +194,20 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
 
 
 def _start_engine(args, record: bool):
-    """vLLM's AsyncLLM over the args' config, on the V1 model runner the hook wraps (checked before it starts)."""
+    """vLLM's AsyncLLM over the args' config; when recording, on the V1 model runner the hook wraps (checked
+    before it starts)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from draftopd.vllm_backend.hook import check_internals, check_runner, pin_v1_runner
+    from draftopd.vllm_backend.hook import check_internals, pin_v1_runner
 
-    if pin_v1_runner():
+    if record and pin_v1_runner():
         log.warning("vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0): the recording hook wraps it")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    check_internals(config) if record else check_runner(config)
+    if record:  # without recording nothing wraps vLLM's runner: it runs the one vLLM picks
+        check_internals(config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=config,
         usage_context=UsageContext.OPENAI_API_SERVER,

@@ -4,14 +4,17 @@ One object on the server's event loop: the drafter version serving and those bef
 live tau, the learner (when learning is on) and the MLflow run. Its background task takes finished requests'
 records from vLLM's worker, turns them into trajectories off the event loop, and hands them to the buffer;
 failures there are logged and counted, never raised into a request. A swap (`promote`, `rollback`) saves the
-version first, pushes its weights into the running engine as the offline engine does
-(`draftopd_reload_drafter`, safetensors bytes in vLLM's checkpoint names), then resets the prefix cache, retried
+version first, pushes its weights into the running engine as the offline engine does (vLLM's
+`start_draft_weight_update` / `update_weights` / `finish_weight_update` into draftopd's weight-transfer engine,
+vllm_backend/push.py), labels them with vLLM's weight version, then resets the prefix cache, retried
 in the background while requests hold blocks (vLLM refuses the reset while any run). Requests in flight keep
-running through a swap: verification is by the target, so their output does not change; the steps after it are
+running through a swap (paused for the push itself, vLLM's `pause_generation(mode="keep")`): verification is
+by the target, so their output does not change; the steps after it are
 drafted by the new weights, and such a request's trajectory (drafted by two versions) is left out of training
 and live tau.
 
-The engine is anything with vLLM's `AsyncLLM` methods `collective_rpc` and `reset_prefix_cache`.
+The engine is anything with vLLM's `AsyncLLM` methods `collective_rpc`, `pause_generation`,
+`resume_generation`, `update_weight_version` and `reset_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -185,24 +188,19 @@ class ServeSession:
             return previous
 
     async def _push(self, state: dict, version: int) -> None:
-        from safetensors.torch import save
+        from draftopd.vllm_backend.push import push_async
 
-        data = await self.loop.run_in_executor(
-            self._work, lambda: save({k: v.detach().contiguous().cpu() for k, v in state.items()})
-        )
-        confirmed = await self.engine.collective_rpc("draftopd_reload_drafter", args=(data, version))
-        if set(confirmed) != {version}:
-            raise RuntimeError(f"vLLM workers confirm drafter versions {confirmed} after pushing {version}")
+        reset = await push_async(self.engine, state, version)  # vLLM's weight-transfer calls (push.py)
         self.version = version
-        self.reset_pending = not await self.engine.reset_prefix_cache()  # cached blocks hold the old drafter's KV
+        self.reset_pending = not reset  # cached blocks hold the old drafter's KV; retried while requests hold them
 
     def _check_pushable(self) -> None:
         from draftopd.drafters import family
 
         if not family(self.kind).live_push:
             raise SwapError(
-                f"live weight pushes into vLLM exist for EAGLE-3 drafters only, not '{self.kind}' (vLLM method "
-                f"{self.method}): restart the server on the new checkpoint instead"
+                f"a '{self.kind}' drafter takes no live weight pushes in vLLM (vLLM method {self.method}): restart "
+                "the server on the new checkpoint instead"
             )
 
     async def _judge_new_version(self) -> None:

@@ -1,23 +1,27 @@
 """VllmEngine: speculative decoding in stock vLLM, returning the same records as the native engine.
 
 `vllm.LLM` runs the target with the drafter as its speculator (the method its
-family names: EAGLE-3, DFlash, PARD's TI mode as a parallel draft model). Per
-request, vLLM's public per-request metrics (`per_request_spec_decode_metrics=
-"detailed"`) give each step's accepted and drafted counts; the recording hook
-(hook.py, the only module that touches vLLM internals) gives the drafted tokens
-and both models' log-probs of them. Both are joined here into `Trajectory` and
-`VerificationStep` records, checked against each other, with the native
-engine's conventions (output_ids[0] from the prefill, `emitted` cut where the
-sequence ended).
+family names: EAGLE-3, DFlash, PARD's TI mode as a parallel draft model). What
+each request's verification steps were comes one of two ways (`record`):
 
-New drafter weights go into the running engine without a restart
-(`load_drafter_state`), and the prefix cache is reset after each push.
+* `stock` (the default): vLLM's own per-request detailed metrics
+  (`per_request_spec_decode_metrics="detailed"`: accepted and drafted counts per
+  step), joined with the emitted tokens (steps.py). The scheduler keeps them, so
+  vLLM picks its model runner as it would anyway (V2 wherever Triton works) and no
+  worker extension is loaded for recording;
+* `full`: the recording hook (hook.py, the only module that touches vLLM
+  internals) adds the drafted tokens and both models' log-probs of them, what
+  Draft-OPD's rejected stream learns from. It wraps Model Runner V1, so this mode
+  pins V1 (`pin_runner`: VLLM_USE_V2_MODEL_RUNNER=0 set before the engine process
+  spawns, logged, and vLLM's own choice checked on the config) and turns vLLM's
+  async scheduling off (on by default on GPUs), which the hook was never run under;
+* `none`: outputs only.
 
-The hook wraps vLLM's V1 model runner, which vLLM 0.32 would not pick on a GPU
-where Triton works: before vLLM starts, `pin_runner` sets
-VLLM_USE_V2_MODEL_RUNNER=0 in this process's environment (the engine process
-inherits it; a value the user set is kept), logs that it did, and checks vLLM's
-own choice on the config the engine will start with (hook.py says why V1).
+Either way the records are joined into `Trajectory` and `VerificationStep`
+records with the native engine's conventions (output_ids[0] from the prefill,
+`emitted` cut where the sequence ended). New drafter weights go into the running
+engine without a restart (`load_drafter_state`), and the prefix cache is reset
+after each push.
 """
 
 from __future__ import annotations
@@ -26,14 +30,36 @@ import logging
 import os
 
 from draftopd.engine.speculative import SamplingConfig
-from draftopd.messages import Trajectory, VerificationStep
-from draftopd.vllm_backend.hook import EXTENSION, RUNNER_ENV, check_internals, check_runner, pin_v1_runner
+from draftopd.messages import Trajectory
+from draftopd.vllm_backend.steps import VllmRecordError, hook_steps, metrics_of, stock_steps
 
 log = logging.getLogger(__name__)
 
+RECORD_MODES = ("stock", "full", "none")
+__all__ = ["RECORD_MODES", "VllmEngine", "VllmRecordError", "check_install", "engine_extras", "pin_runner"]
 
-class VllmRecordError(RuntimeError):
-    """vLLM's per-request metrics and the hook's records disagree: the records cannot be trusted."""
+
+def record_mode(record) -> str:
+    """`record` as one of RECORD_MODES; the booleans older callers pass mean `full` (True) and `none`."""
+    if record is True:
+        return "full"
+    if record is False:
+        return "none"
+    if record not in RECORD_MODES:
+        raise ValueError(f"record={record!r} is not one of {', '.join(RECORD_MODES)}")
+    return record
+
+
+def engine_extras(record: str, drafted: bool) -> dict:
+    """The `vllm.LLM` keyword arguments a recording mode adds: the per-request metrics (stock and full), the
+    hook's worker extension and synchronous scheduling (full only)."""
+    from draftopd.vllm_backend.hook import EXTENSION
+
+    extra = {"per_request_spec_decode_metrics": "detailed"} if drafted and record != "none" else {}
+    if record == "full":
+        extra["worker_extension_cls"] = EXTENSION
+        extra["async_scheduling"] = False  # on by default on GPUs; the hook wraps synchronous steps only
+    return extra
 
 
 def check_install() -> None:
@@ -60,7 +86,11 @@ def check_install() -> None:
 
 
 class VllmEngine:
-    """One `vllm.LLM` with the target and (optionally) an EAGLE-3 drafter checkpoint directory."""
+    """One `vllm.LLM` with the target and (optionally) a drafter checkpoint directory as its speculator.
+
+    `record`: `stock`, `full` or `none` (module docstring). `transfer`: how pushes arrive, `shm` (from this host,
+    vLLM's weight-transfer calls into draftopd's engine, shm_engine.py) or `nccl` (from a learner's GPU,
+    transfer.py). `version` labels the drafter it starts with (vLLM's weight version)."""
 
     def __init__(
         self,
@@ -72,14 +102,16 @@ class VllmEngine:
         max_model_len: int = 2048,
         memory_fraction: float = 0.2,
         seed: int = 0,
-        record: bool = True,
+        record="stock",
         enable_prefix_caching: bool = True,
         enforce_eager: bool = True,
-        weight_transfer: bool = False,
+        transfer: str = "shm",
+        version: int = -1,
     ):
         check_install()
-        from draftopd.drafters import family, read_raw
+        from draftopd.drafters import family, read_raw, read_tensors
         from draftopd.loading import LoadError
+        from draftopd.vllm_backend.push import CONFIG, manifest
         from draftopd.vllm_backend.stock import LlmSettings, build_llm
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; the toy target needs little
@@ -90,9 +122,12 @@ class VllmEngine:
                 spec = family(kind).speculative_config(drafter_dir, num_draft_tokens)
             except ValueError as exc:  # a mode vLLM has no method for: one line, as other bad drafters get
                 raise LoadError(f"drafter {drafter_dir}: {exc}") from None
-        self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record
+            self.drafter_manifest = manifest(read_tensors(drafter_dir))  # what a push must match
+        self.eos, self.num_draft_tokens, self.record = list(eos), num_draft_tokens, record_mode(record)
         self.method = spec["method"] if spec else ""
         self.has_drafter = spec is not None
+        self.version = version if spec else -1
+        self.transfer = transfer if spec else ""
         settings = LlmSettings(
             str(target_dir),
             speculative_config=spec,
@@ -103,21 +138,26 @@ class VllmEngine:
             enforce_eager=enforce_eager,  # no torch.compile: minutes of start-up on CPU for a small target
             enable_prefix_caching=enable_prefix_caching,
         )
-        # the extension also reloads drafter weights, so it is loaded even when nothing is recorded
-        kwargs = {"per_request_spec_decode_metrics": "detailed"} if record and spec else {}
-        if weight_transfer:  # drafter pushes by NCCL through vLLM's weight-transfer engine (vllm_backend/transfer.py)
-            kwargs["weight_transfer_config"] = {"backend": "nccl"}
-        kwargs["worker_extension_cls"] = EXTENSION
-        pin_runner(settings, kwargs, record)
+        kwargs = engine_extras(self.record, spec is not None)
+        if spec:  # every drafter engine takes pushes through vLLM's weight-transfer engine
+            kwargs["weight_transfer_config"] = {"backend": "nccl"} if transfer == "nccl" else dict(CONFIG)
+        if self.record == "full":
+            pin_runner(settings, kwargs)
         try:
             self.llm = build_llm(settings, **kwargs)
         except Exception as exc:  # vLLM's config errors do not pickle, so they would not cross a Ray actor boundary
             raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
-        if record:
+        if self.record == "full":
             self.llm.collective_rpc("draftopd_install")
+        if spec:
+            self.llm.llm_engine.set_weight_version(str(self.version))
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, policy_version: int = -1) -> list:
-        """Decode every prompt in one vLLM batch; one Trajectory each, in order, with its steps when recording."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, policy_version: int | None = None) -> list:
+        """Decode every prompt in one vLLM batch; one Trajectory each, in order, with its steps when recording.
+
+        Each trajectory's `policy_version` is the drafter version vLLM's own per-request weight-version spans
+        say served it (`CompletionOutput.weight_versions`); `policy_version`, when given, must be that one, or
+        names the drafter of an engine that was never pushed to nor given a version at start."""
         from draftopd.vllm_backend.stock import completion_ids, generate
 
         if self.has_drafter and sampling.num_draft_tokens != self.num_draft_tokens:
@@ -128,41 +168,42 @@ class VllmEngine:
         seed = sampling.seed if sampling.temperature > 0 else None
         ids, outs = generate(self.llm, prompts, self.eos, sampling.temperature, sampling.max_new_tokens, seed)
         # the hook keys its records by the request ids vLLM's workers see, which are the ones `generate` returns
-        records = self.llm.collective_rpc("draftopd_records")[0] if self.record else {}
+        records = self.llm.collective_rpc("draftopd_records")[0] if self.record == "full" else {}
         k = self.num_draft_tokens if self.has_drafter else 0
         trajs = []
         for p, rid, out in zip(prompts, ids, outs, strict=True):
             output_ids, finish_reason = completion_ids(out.outputs[0], self.eos)
+            served = served_version(out.outputs[0], self.version) if self.has_drafter else -1
+            if self.has_drafter and policy_version is not None:  # the caller names the version it expects
+                if served not in (-1, policy_version):  # -1: no push yet and no version at start
+                    raise VllmRecordError(f"vLLM says drafter version {served} served a request, not {policy_version}")
+                served = policy_version
             traj = Trajectory(
                 prompt_ids=list(p),
                 output_ids=output_ids,
                 finish_reason=finish_reason,
-                policy_version=policy_version if self.has_drafter else -1,
+                policy_version=served,
                 temperature=sampling.temperature,
                 num_draft_tokens=k,
             )
-            if self.has_drafter and self.record:
-                traj.steps = _steps(traj, records.get(rid, []), _metrics(out))
+            if self.has_drafter and self.record == "full":
+                traj.steps = hook_steps(traj, records.get(rid, []), metrics_of(out.outputs[0]))
+            elif self.has_drafter and self.record == "stock":
+                traj.steps = stock_steps(traj, metrics_of(out.outputs[0]))
             trajs.append(traj)
         return trajs
 
     def load_drafter_state(self, state: dict, version: int) -> int:
-        """Push drafter weights ({vLLM checkpoint name: tensor}) into the running engine and reset the prefix
-        cache; returns the policy version the engine's workers confirm holding."""
-        from safetensors.torch import save
+        """Push drafter weights ({vLLM checkpoint name: tensor}) into the running engine through vLLM's
+        weight-transfer calls (push.py), label them `version` and reset the prefix cache; returns the version.
+        A drafter of another shape or vocabulary is refused (PushMismatch) before anything is sent."""
+        from draftopd.vllm_backend.push import check_same_drafter, push
 
-        if self.method == "dflash":
-            # vLLM's DFlash model keeps fused copies of its context K/V weights that its layerwise reload leaves
-            # stale (the next step fails on an empty weight): restart the engine on a new checkpoint instead
-            raise NotImplementedError("pushing weights into vLLM's DFlash drafter is not supported yet")
-        if self.method == "draft_model":
-            # the hook's reload hides the drafter's embedding as the target's, which a PARD draft LM's is not
-            raise NotImplementedError("pushing weights into vLLM's PARD draft model is not supported yet")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        confirmed = self.llm.collective_rpc("draftopd_reload_drafter", args=(save(tensors), version))
-        self.llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
-        if set(confirmed) != {version}:
-            raise RuntimeError(f"vLLM workers confirm drafter versions {confirmed} after pushing {version}")
+        if not self.has_drafter:
+            raise ValueError("this engine runs the target alone: there is no drafter to push into")
+        check_same_drafter(self.drafter_manifest, state)
+        push(self.llm, state, version)
+        self.version = version
         return version
 
     def shutdown(self) -> None:
@@ -170,56 +211,35 @@ class VllmEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def pin_runner(settings, extra: dict, record: bool = True) -> None:
-    """Before `build_llm(settings, **extra)`: pin vLLM to its V1 model runner (the one the hook wraps) in this
-    process's environment, which the engine process inherits, and check that vLLM's choice on the engine's config
-    is V1 (with the internals the hook wraps when it records); VllmInternalsError naming the cause otherwise."""
+def served_version(completion, default: int) -> int:
+    """The drafter version vLLM's weight-version spans name for a completion (`default` when it names none or
+    a label that is not a version); VllmRecordError when two versions served it."""
+    labels = {span.version for span in (getattr(completion, "weight_versions", None) or [])}
+    if len(labels) > 1:
+        raise VllmRecordError(f"drafter versions {sorted(labels)} served one request")
+    label = next(iter(labels), None)
+    try:
+        return int(label) if label is not None else default
+    except ValueError:
+        return default
+
+
+def pin_runner(settings, extra: dict) -> None:
+    """Before `build_llm(settings, **extra)` with full recording: pin vLLM to its V1 model runner (the one the
+    hook wraps) in this process's environment, which the engine process inherits, and check that vLLM's choice on
+    the engine's config is V1 with the internals the hook wraps; VllmInternalsError naming the cause otherwise."""
+    from draftopd.vllm_backend.hook import RUNNER_ENV, check_internals, pin_v1_runner
     from draftopd.vllm_backend.stock import engine_config
 
     if pin_v1_runner():
         log.warning(
             "vLLM runs its V1 model runner here (%s=0 set for this process and the engines it starts): draftopd's "
-            "recording hook wraps V1's sampling step and drafter, which Model Runner V2 does not have",
+            "recording hook (rollout.record: full) wraps V1's sampling step and drafter, which Model Runner V2 "
+            "does not have",
             RUNNER_ENV,
         )
     try:
         config = engine_config(settings, **extra)
     except Exception as exc:  # as build_llm's: vLLM's config errors do not pickle across a Ray actor boundary
         raise RuntimeError(f"vLLM could not start: {type(exc).__name__}: {exc}") from None
-    if record:
-        check_internals(config)
-    else:  # the extension's drafter reload needs V1's runner all the same
-        check_runner(config)
-
-
-def _metrics(out) -> dict | None:
-    """vLLM's per-request speculative metrics, which it keeps on the completion (a request's only one here)."""
-    m = getattr(out.outputs[0], "spec_decode_metrics", None)
-    if m is None:
-        return None
-    return m if isinstance(m, dict) else getattr(m, "__dict__", None)
-
-
-def _steps(traj: Trajectory, records: list, metrics: dict | None) -> list[VerificationStep]:
-    """Hook records -> VerificationSteps, `emitted` cut where the output ended; checked against vLLM's metrics."""
-    steps, cursor, out = [], 1, traj.output_ids
-    for drafts, target_lp, draft_lp, accepted, emitted, logz in records:
-        if cursor >= len(out):
-            break
-        emitted = emitted[: len(out) - cursor]
-        if out[cursor : cursor + len(emitted)] != emitted:
-            raise VllmRecordError(
-                f"recorded tokens {emitted} are not the output's {out[cursor : cursor + len(emitted)]}"
-            )
-        if draft_lp is None or len(draft_lp) != len(drafts):  # the hook could not read this drafter's logits
-            raise VllmRecordError(f"no drafter log-probs recorded for the drafts {drafts}")
-        position = len(traj.prompt_ids) + cursor
-        steps.append(VerificationStep(position, drafts, draft_lp, target_lp, accepted, emitted, target_draft_logz=logz))
-        cursor += len(emitted)
-    if cursor != len(out) and len(out) > 1:
-        raise VllmRecordError(f"records cover {cursor} of {len(out)} output tokens")
-    if metrics and "per_step_accepted" in metrics:
-        ours = [s.num_accepted for s in steps]
-        if ours != list(metrics["per_step_accepted"][: len(ours)]):
-            raise VllmRecordError(f"accepted counts {ours} differ from vLLM's {metrics['per_step_accepted']}")
-    return steps
+    check_internals(config)

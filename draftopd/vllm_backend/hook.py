@@ -19,11 +19,13 @@ two engine internals of vLLM's v1 model runner:
   block, request-major, for one-pass drafting: DFlash, and PARD as vLLM's
   draft model with parallel drafting).
 
-It also reloads the drafter's weights in place (vLLM's layerwise reload, which
-redoes the CPU backend's weight repacking) without touching the target.
-`check_internals` fails loudly, naming the cause, when any of this is missing
-or when the engine's config would start another model runner; nothing else in
-draftopd imports vLLM internals.
+It is opt-in (`rollout.record: full`, `draftopd serve --record full`): by default
+the records come from vLLM's per-request metrics (steps.py), which need no hook
+and no pinned runner. Drafter pushes never go through it: they take vLLM's
+weight-transfer calls (push.py, shm_engine.py). `check_internals` fails
+loudly, naming the cause, when any of this is missing or when the engine's
+config would start another model runner; nothing else in draftopd wraps vLLM
+internals.
 
 Which model runner: V1, pinned. vLLM 0.32 starts Model Runner V2
 (`vllm/v1/worker/gpu/model_runner.py`) wherever Triton works
@@ -65,6 +67,9 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from draftopd.vllm_backend.steps import HookStep
+
+VERSION_ATTR = "draftopd_version"  # the pushed drafter version shm_engine.py leaves on the draft model
 EXTENSION = "draftopd.vllm_backend.hook.RecordingExtension"
 TESTED_VLLM = "0.32.0"
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: the rejection sampler's filler after a rejected draft
@@ -127,7 +132,6 @@ def check_internals(config=None) -> None:
     if config is not None:
         check_runner(config)
     try:
-        from vllm.model_executor.model_loader import reload
         from vllm.v1.sample import rejection_sampler
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -144,9 +148,6 @@ def check_internals(config=None) -> None:
     for name in ("draft_token_ids", "num_draft_tokens", "target_logits_indices"):
         if name not in fields:
             _fail(f"SpecDecodeMetadata.{name}")
-    for name in ("initialize_layerwise_reload", "finalize_layerwise_reload"):
-        if not hasattr(reload, name):
-            _fail(f"vllm.model_executor.model_loader.reload.{name}")
 
 
 class RecordingExtension:
@@ -173,7 +174,7 @@ class RecordingExtension:
         return state["has_drafter"]
 
     def draftopd_records(self) -> dict:
-        """Recorded steps, then forgotten: {req_id: [[drafts, target_lp, draft_lp, n_acc, emitted, target_logz]]},
+        """Recorded steps, then forgotten: {req_id: [HookStep]} (steps.py),
         keyed by the request ids of the worker's input batch, which are those `LLM.enqueue` returns."""
         state = self.model_runner._draftopd
         out = {rid: steps for rid, steps in state["steps"].items()}
@@ -186,8 +187,8 @@ class RecordingExtension:
         """The records of every request this worker no longer holds (finished or aborted), then forgotten; those
         still running stay. For a server, whose requests end at any time: {req_id: {"prompt_ids", "output_before"
         (tokens emitted before its first recorded step), "output_ids" (all the worker emitted, past a stop token
-        or max_tokens too: the caller cuts), "temperature", "max_tokens", "stop_ids", "versions" (drafter versions
-        that drafted its steps: `draftopd_reload_drafter`'s, None before the first reload), "steps" (as
+        or max_tokens too: the caller cuts), "temperature", "max_tokens", "stop_ids", "versions" (the weight-version
+        labels vLLM's engine core gave its steps' drafters, as strings, or None before the first push), "steps" (as
         `draftopd_records`)}}."""
         runner = self.model_runner
         state = runner._draftopd
@@ -200,28 +201,6 @@ class RecordingExtension:
             ctx["versions"] = sorted(ctx.get("versions", ()), key=lambda v: -1 if v is None else v)
             out[rid] = {**ctx, "steps": state["steps"].pop(rid)}
         return out
-
-    def draftopd_reload_drafter(self, safetensors_bytes: bytes, version: int) -> int:
-        """Load new drafter weights (checkpoint names, safetensors bytes) in place; returns the version now held."""
-        import torch
-        from safetensors.torch import load
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        runner = self.model_runner
-        model = runner.drafter.model
-        weights = load(safetensors_bytes)
-        # The drafter borrows the target's embedding: hide it, or the reload would move the target's onto meta.
-        inner = model.model
-        shared = inner.embed_tokens
-        inner.embed_tokens = torch.nn.Identity()
-        try:
-            initialize_layerwise_reload(model)
-            model.load_weights(iter(weights.items()))
-            finalize_layerwise_reload(model, runner.vllm_config.speculative_config.draft_model_config)
-        finally:
-            inner.embed_tokens = shared
-        runner._draftopd_version = version
-        return runner._draftopd_version
 
 
 def _wrap_sample(runner, state: dict) -> None:
@@ -283,7 +262,9 @@ def _record_step(runner, state, num_drafts, drafts, target_lp, sampled, logz) ->
         emitted = [t for t in sampled[i] if t != PLACEHOLDER]
         draft_lp = state["pending"].pop(rid, None)
         block = slice(offset, offset + n)
-        state["steps"][rid].append([drafts[block], target_lp[block], draft_lp, len(emitted) - 1, emitted, logz[block]])
+        state["steps"][rid].append(
+            HookStep(drafts[block], target_lp[block], draft_lp, len(emitted) - 1, emitted, logz[block])
+        )
         offset += n
 
 
@@ -304,7 +285,8 @@ def _stash(runner, state, rid) -> None:
             "stop_ids": sorted(getattr(params, "all_stop_token_ids", ()) or ()),
             "versions": set(),
         }
-    ctx["versions"].add(getattr(runner, "_draftopd_version", None))
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    ctx["versions"].add(getattr(model, VERSION_ATTR, None))  # set by shm_engine at each push
 
 
 def _wrap_proposer(runner, drafter, state: dict) -> None:

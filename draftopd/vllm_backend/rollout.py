@@ -6,11 +6,17 @@ responses). vLLM fixes the speculator and K when it starts, so switching
 between the two, or changing K, rebuilds the engine; new weights of the same
 drafter are pushed into the running engine, which confirms the version.
 
-Two ways in for those weights: `set_drafter` (CPU tensors, loaded by the hook's
-layerwise reload: the object-store and gloo transports) and, on GPUs, `receive`
-(NCCL through vLLM's weight-transfer engine, transfer.py), where this process
-never holds the weights. An engine rebuilt in that mode starts from a placeholder
-drafter and refuses drafted calls with `StaleWeights` until the driver pushes again.
+Two ways in for those weights, both vLLM's weight-transfer calls: `set_drafter`
+(CPU tensors from the object-store and gloo transports, pushed through shared
+memory into draftopd's engine, push.py) and, on GPUs, `receive` (NCCL from the
+learner's GPU, transfer.py), where this process never holds the weights. An
+engine for NCCL pushes is started and warmed up by `prepare_transfer` before the
+group forms (vLLM's trainer rendezvous waits five minutes at most: a join only
+joins); one rebuilt later starts from a placeholder drafter and refuses drafted
+calls with `NeedsWeights` until the driver pushes again.
+
+Nothing here imports draftopd's training side (opd/): the refusal is this
+module's own error, which the rollout worker turns into the driver's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from pathlib import Path
 from draftopd.messages import SamplingConfig, Trajectory
 
 
+class NeedsWeights(RuntimeError):
+    """The engine was restarted (another K): its drafter needs the weights pushed again."""
+
+
 @dataclass
 class VllmOptions:
     """Engine settings from the recipe's rollout section."""
@@ -33,6 +43,7 @@ class VllmOptions:
     enforce_eager: bool = True
     seed: int = 0
     num_draft_tokens: int = 4  # K of a drafter engine started for a weight-transfer group (the rollout's)
+    record: str = "stock"  # how steps are recorded: vLLM's per-request metrics, or `full` (the hook)
 
 
 class VllmRollout:
@@ -60,21 +71,44 @@ class VllmRollout:
                 self._shutdown()
         return version
 
+    def weights(self) -> dict | None:
+        """The drafter weights held here (None when they arrive by NCCL transfer, or before any)."""
+        return self.state
+
     def holds_drafter(self) -> bool:
         return self.state is not None or (self.pushed and self.engine_version >= 0)
 
     # -- GPU pushes through vLLM's weight-transfer engine (transfer.py) ------------------------------
 
+    def prepare_transfer(self, config: dict, items: list) -> None:
+        """Before a transfer group forms: a drafter engine of this shape running (started and warmed up here,
+        at the running engine's K or the rollout's), ready to join."""
+        self.pushed, self.items = True, items
+        if not self._ready_for_nccl(config):
+            self.config, self.state = config, None
+            k = self.engine.num_draft_tokens if self.engine else self.options.num_draft_tokens
+            self._start(True, k)
+            self._warm_up()
+
     def join_transfer(self, name, host, port, rank, size, timeout_s, config: dict, items: list) -> None:
-        """Join a transfer group; with no drafter engine running, start one (at the rollout's K) to receive."""
+        """Join a transfer group with the engine `prepare_transfer` started; starts nothing."""
         from draftopd.vllm_backend import transfer
 
-        self.pushed, self.timeout_s, self.items = True, timeout_s, items
-        if self.engine is None or not self.engine.has_drafter or self.config != config:
-            self.config, self.state = config, None
-            self._start(True, self.engine.num_draft_tokens if self.engine else self.options.num_draft_tokens)
+        if not self._ready_for_nccl(config):
+            raise RuntimeError("no drafter engine of this shape is running: prepare_transfer comes before a join")
+        self.timeout_s, self.items = timeout_s, items
         transfer.join(self.engine.llm, transfer.init_info(host, port, rank, size, items), timeout_s)
         self.transfer = name
+
+    def _ready_for_nccl(self, config: dict) -> bool:
+        e = self.engine
+        return e is not None and e.has_drafter and e.transfer == "nccl" and self.config == config
+
+    def _warm_up(self) -> None:
+        """One short drafted decode through the new engine (its first steps allocate and, on GPUs, compile)."""
+        from draftopd.messages import SamplingConfig
+
+        self.engine.generate([[self.eos[0]]], SamplingConfig(2, 0.0, self.engine.num_draft_tokens))
 
     def receive(self, config: dict, items: list, version: int) -> int:
         """This engine's end of one push; an engine stuck in a failed push is shut down (a new one is started
@@ -82,7 +116,8 @@ class VllmRollout:
         from draftopd.vllm_backend import transfer
 
         try:
-            transfer.receive(self.engine.llm, items, self.timeout_s)
+            transfer.receive(self.engine.llm, items, self.timeout_s, version)
+            self.engine.version = version
         except BaseException:
             self.transfer = ""
             self._shutdown()
@@ -109,10 +144,8 @@ class VllmRollout:
         if e is not None and e.has_drafter == with_drafter and (not with_drafter or e.num_draft_tokens == k):
             return e
         if with_drafter and self.pushed:
-            from draftopd.opd.weight_sync import StaleWeights
-
             self._start(True, k)  # ready for the next push, which the refusal below asks the driver for
-            raise StaleWeights(f"the vLLM engine was restarted for K={k}: its drafter needs the weights pushed again")
+            raise NeedsWeights(f"the vLLM engine was restarted for K={k}: its drafter needs the weights pushed again")
         if with_drafter and self.state is None:
             raise RuntimeError("a drafted rollout was asked for before any drafter weights arrived")
         return self._start(with_drafter, k)
@@ -138,7 +171,9 @@ class VllmRollout:
             memory_fraction=o.memory_fraction,
             seed=o.seed,
             enforce_eager=o.enforce_eager,
-            weight_transfer=with_drafter and self.pushed,
+            record=o.record,
+            transfer="nccl" if with_drafter and self.pushed else "shm",
+            version=self.version if with_drafter and self.state is not None else -1,
         )
         self.transfer = ""
         self.engine_version = self.version if with_drafter and self.state is not None else -1

@@ -12,8 +12,9 @@ The packed buffer holds the whole drafter, so vLLM unpacks it into one
 `load_weights` call: DFlash's draft model rebuilds its fused context K/V weights at
 the end of each call, and must see every layer loaded by then.
 
-GPU only (NCCL); the CPU twin is the layerwise reload of the hook (hook.py), fed by
-the gloo or object-store transports. Every wait has the group's timeout; a push
+GPU only (NCCL); the CPU twin is draftopd's shared-memory weight-transfer engine
+(shm_engine.py, push.py), fed by the gloo or object-store transports, through the
+same three worker calls. Every wait has the group's timeout; a push
 that times out leaves the engine unusable, and the worker then drops it.
 """
 
@@ -134,11 +135,13 @@ def join(llm, info: dict, timeout_s: float) -> None:
     llm.collective_rpc("init_weight_transfer_engine", timeout=timeout_s, kwargs={"init_info": info})
 
 
-def receive(llm, items: list, timeout_s: float) -> None:
-    """One push into the engine's draft model (vLLM's layerwise reload around it), then a fresh prefix cache."""
+def receive(llm, items: list, timeout_s: float, version: int) -> None:
+    """One push into the engine's draft model (vLLM's layerwise reload around it), labelled `version` (vLLM's
+    weight version, which every output then carries), then a fresh prefix cache."""
     llm.collective_rpc("start_draft_weight_update", timeout=timeout_s)
     llm.collective_rpc("update_weights", timeout=timeout_s, kwargs={"update_info": update_info(items)})
     llm.collective_rpc("finish_weight_update", timeout=timeout_s)
+    llm.llm_engine.set_weight_version(str(version))
     llm.reset_prefix_cache()  # cached blocks hold states the old drafter consumed
 
 

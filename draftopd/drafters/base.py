@@ -128,3 +128,8 @@ class Drafter(Protocol):
     @staticmethod
     def speculative_config(path: str | Path, num_draft_tokens: int) -> dict:
         """vLLM's `speculative_config` serving an exported directory of this family."""
+
+    @staticmethod
+    def target_layers(config: dict) -> list[int]:
+        """The target layers (this project's aux-id convention) a checkpoint's config.json says it reads: what
+        its target must be loaded with; [] for the target's defaults."""

@@ -180,6 +180,10 @@ class D2SDDrafter(nn.Module):
         return cls(parts["first"], parts["vp"], config["num_candidates"], config["vp_prefix_base"])
 
     @staticmethod
+    def target_layers(config: dict) -> list[int]:
+        return list(DFlashConfig.from_hf(D2SDDrafter.read_config(config)["first_drafter"]).aux_layer_ids)
+
+    @staticmethod
     def speculative_config(path, num_draft_tokens: int) -> dict:
         raise ValueError("no serving engine runs D²SD yet: decode it with the native engine (--backend native)")
 

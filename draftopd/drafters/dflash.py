@@ -348,6 +348,10 @@ class DFlashDrafter(nn.Module):
         return drafter.to(target.dtype)
 
     @staticmethod
+    def target_layers(config: dict) -> list[int]:
+        return list(DFlashConfig.from_hf(config).aux_layer_ids)
+
+    @staticmethod
     def speculative_config(path, num_draft_tokens: int) -> dict:
         return {"method": "dflash", "model": str(path), "num_speculative_tokens": num_draft_tokens}
 

@@ -357,6 +357,10 @@ class Eagle3Drafter(nn.Module):
         return drafter.to(embed.dtype)
 
     @staticmethod
+    def target_layers(config: dict) -> list[int]:
+        return list(Eagle3Config.from_hf(config).aux_layer_ids)
+
+    @staticmethod
     def speculative_config(path, num_draft_tokens: int) -> dict:
         return {"method": "eagle3", "model": str(path), "num_speculative_tokens": num_draft_tokens}
 

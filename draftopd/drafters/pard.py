@@ -327,6 +327,10 @@ class PardDrafter(nn.Module):
         return drafter.to(target.dtype)
 
     @staticmethod
+    def target_layers(config: dict) -> list[int]:
+        return list(PardDrafter.read_config(config)["pard_config"]["target_layer_ids"])
+
+    @staticmethod
     def speculative_config(path, num_draft_tokens: int) -> dict:
         """vLLM's config serving an exported directory (the TI mode); the mask id is the config's `pard_token`."""
         raw = json.loads((Path(path) / "config.json").read_text())

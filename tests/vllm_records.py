@@ -8,6 +8,8 @@ for what stock records feed (the accepted stream): the same tokens and weights, 
 rej_coef 0, for both replay units and both accepted-row modes.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,3 +72,23 @@ def assert_same_replay(stock: list, hook: list, drafter, target, depth: int) -> 
                 lh, mh = opd_loss(drafter, target, bh, cfg)
             assert float(ls) == pytest.approx(float(lh), rel=1e-6, abs=1e-9)
             assert ms["num_accepted_tokens"] == mh["num_accepted_tokens"] > 0
+
+
+def tiny_dflash_for_vllm(root: Path):
+    """(target, drafter, vLLM drafter directory): a small float32 target saved under `root / "target"` (the toy
+    tokenizer beside it: prompts and outputs are token ids) and a briefly trained DFlash drafter exported for
+    vLLM, what the DFlash engine and serving tests start vLLM on."""
+    import shutil
+
+    import torch
+
+    from draftopd.drafters import export_drafter, save_drafter
+    from draftopd.loading import ASSETS
+    from draftopd.testing import tiny_target, train_tiny_drafter
+
+    target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)  # vLLM's CPU attention wants head_dim 32
+    drafter = train_tiny_drafter(target, kind="dflash")
+    target.model.save_pretrained(root / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ASSETS / "toy-target" / name, root / "target" / name)
+    return target, drafter, export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")

@@ -57,25 +57,13 @@ def old_reload(worker, data: bytes, version: int) -> int:
     return version
 
 
-def _toy_target_dir(root: Path, target) -> Path:
-    """`target` saved for vLLM with the toy tokenizer beside it (prompts and outputs are token ids)."""
-    from draftopd.loading import ASSETS
-
-    out = root / "target"
-    target.model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ASSETS / "toy-target" / name, out / name)
-    return out
-
-
 def _pair(kind: str, root: Path):
     """(target directory, target, two drafters of one shape) for `kind`: the shipped toy target and EAGLE-3
     drafter (twice); a float32 tiny target with random DFlash drafters (vLLM's CPU attention wants head_dim 32); the toy
     target with PARD drafters shaped as its first layer (target-independent mode, what vLLM serves)."""
-    from draftopd.config import DrafterConfig
     from draftopd.drafters import load_drafter, new_drafter
     from draftopd.loading import ASSETS, load_target, load_tokenizer
-    from draftopd.testing import tiny_drafter, tiny_target
+    from draftopd.testing import pard_like_target, save_target_for_vllm, tiny_drafter, tiny_target
 
     if kind == "eagle3":
         target = load_target("toy", [1, 2, 3])
@@ -84,18 +72,9 @@ def _pair(kind: str, root: Path):
     if kind == "dflash":
         target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)
         drafters = tuple(tiny_drafter(target, kind="dflash", seed=s) for s in (1, 2))
-        return _toy_target_dir(root, target), target, drafters
+        return save_target_for_vllm(target, root / "target"), target, drafters
     target = load_target("toy", [1, 2, 3])
-    tc, tok = target.model.config, load_tokenizer("toy")
-    shape = DrafterConfig(
-        kind="pard",
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        num_hidden_layers=1,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size,
-    )
+    shape = pard_like_target(target, load_tokenizer("toy").convert_tokens_to_ids("<|mask|>"))
     drafters = []
     for seed in (1, 2):
         torch.manual_seed(seed)

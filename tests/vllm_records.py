@@ -78,17 +78,12 @@ def tiny_dflash_for_vllm(root: Path):
     """(target, drafter, vLLM drafter directory): a small float32 target saved under `root / "target"` (the toy
     tokenizer beside it: prompts and outputs are token ids) and a briefly trained DFlash drafter exported for
     vLLM, what the DFlash engine and serving tests start vLLM on."""
-    import shutil
-
     import torch
 
     from draftopd.drafters import export_drafter, save_drafter
-    from draftopd.loading import ASSETS
-    from draftopd.testing import tiny_target, train_tiny_drafter
+    from draftopd.testing import save_target_for_vllm, tiny_target, train_tiny_drafter
 
     target = tiny_target(vocab=16, hidden=128, dtype=torch.float32)  # vLLM's CPU attention wants head_dim 32
     drafter = train_tiny_drafter(target, kind="dflash")
-    target.model.save_pretrained(root / "target")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ASSETS / "toy-target" / name, root / "target" / name)
+    save_target_for_vllm(target, root / "target")
     return target, drafter, export_drafter(save_drafter(drafter, root / "ckpt"), "vllm", root / "drafter")

@@ -108,3 +108,32 @@ def in_process_session(cfg, learner, trajectories):
     for name in ("_learner_call", "_learners_get", "opd_lr"):
         setattr(s, name, getattr(Session, name).__get__(s))
     return s
+
+
+def pard_like_target(target: TargetModel, mask_token_id: int) -> DrafterConfig:
+    """A PARD draft LM's shape: one layer shaped as the target's (its heads, head_dim and MLP width)."""
+    tc = target.model.config
+    return DrafterConfig(
+        kind="pard",
+        mask_token_id=mask_token_id,
+        num_hidden_layers=1,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size,
+    )
+
+
+def save_target_for_vllm(target: TargetModel, out):
+    """`target` saved under `out` with the toy tokenizer beside it (prompts and outputs are token ids), as vLLM
+    starts on it; returns `out`."""
+    import shutil
+    from pathlib import Path
+
+    from draftopd.loading import ASSETS
+
+    out = Path(out)
+    target.model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ASSETS / "toy-target" / name, out / name)
+    return out

@@ -214,8 +214,11 @@ def _start_engine(args, hook: bool):
 
         if pin_v1_runner():
             log.warning("vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0): the recording hook wraps it")
+    from draftopd.vllm_backend.stock import one_process_on_cpu
+
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    with one_process_on_cpu():  # on CPU the engine core's process runs the worker too, as on one GPU
+        config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     if hook:  # without the hook nothing wraps vLLM's runner: it runs the one vLLM picks
         from draftopd.vllm_backend.hook import check_internals
 

@@ -5,7 +5,7 @@ vLLM path, the recording engine (engine.py) included; `engine_config` gives the
 config such an engine would start with, for checks made before it starts. `run_job` runs a stock
 job in a process of its own (`python -m draftopd.vllm_backend.stock JOB.json`),
 with a given Python or this one: vLLM pins its own torch and transformers, so
-it may live in another virtual environment; its `LLM` spawns engine processes,
+it may live in another virtual environment; its `LLM` spawns engine processes on a GPU,
 which needs the caller under `if __name__ == "__main__"`; and an engine is not
 reliably torn down and rebuilt inside one process. The worker side imports
 nothing from draftopd but this file, and vllm only inside functions.
@@ -27,15 +27,18 @@ line on as it appears, so a caller keeps what finished before a failure.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 MODULE = "draftopd.vllm_backend.stock"
+INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's: 0 runs a `vllm.LLM`'s engine core in its caller's process
 
 
 @dataclass
@@ -78,10 +81,42 @@ def llm_kwargs(s: LlmSettings, **extra) -> dict:
 
 
 def build_llm(s: LlmSettings, **extra):
-    """A `vllm.LLM` from the settings; `extra` goes to `LLM` as is (a worker extension, per-request metrics)."""
+    """A `vllm.LLM` from the settings; `extra` goes to `LLM` as is (a worker extension, per-request metrics).
+    On vLLM's CPU platform its engine core and worker run in this process (`one_process_on_cpu`)."""
     from vllm import LLM
 
-    return LLM(**llm_kwargs(s, **extra))
+    with one_process_on_cpu():
+        return LLM(**llm_kwargs(s, **extra))
+
+
+@contextmanager
+def one_process_on_cpu():
+    """On vLLM's CPU platform, what vLLM builds inside this block runs its model worker in the engine core's process
+    (vLLM's one-process executor, as on a single GPU), and a `vllm.LLM` its engine core in the caller's process.
+
+    vLLM's CPU platform otherwise spawns an engine core and a worker process, each importing vLLM again and the
+    worker left one core of the machine (the other reserved for the core's loop): 41 s to start the toy target's
+    EAGLE-3 engine on 2 cores against 12 s in one process, 2 s for a second one (measured). What the spawned worker
+    adds is OpenMP thread binding for serving real models on many cores; draftopd's CPU engines are the CPU
+    twins of its GPU ones. The environment is vLLM's own switch (`VLLM_ENABLE_V1_MULTIPROCESSING`), set for the
+    block only; vLLM's CPU worker disables `torch.set_num_threads` in its process, which is then the caller's,
+    so it is put back. On a GPU nothing changes."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    before, set_threads = os.environ.get(INPROC_ENV), torch.set_num_threads
+    os.environ[INPROC_ENV] = "0"
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        if before is None:
+            os.environ.pop(INPROC_ENV, None)
+        else:
+            os.environ[INPROC_ENV] = before
 
 
 def engine_config(s: LlmSettings, **extra):

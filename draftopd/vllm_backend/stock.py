@@ -6,8 +6,9 @@ config such an engine would start with, for checks made before it starts. `run_j
 job in a process of its own (`python -m draftopd.vllm_backend.stock JOB.json`),
 with a given Python or this one: vLLM pins its own torch and transformers, so
 it may live in another virtual environment; its `LLM` spawns engine processes on a GPU,
-which needs the caller under `if __name__ == "__main__"`; and an engine is not
-reliably torn down and rebuilt inside one process. The worker side imports
+which needs the caller under `if __name__ == "__main__"`; and on CPU an engine
+runs in its caller's process, seeding that process's random state and starting
+torch.distributed there. The worker side imports
 nothing from draftopd but this file, and vllm only inside functions.
 
 A job (JSON):
@@ -124,7 +125,8 @@ def engine_config(s: LlmSettings, **extra):
     (seconds: configs only), so choices vLLM makes from it (its model runner) can be checked beforehand."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(**llm_kwargs(s, **extra)).create_engine_config()
+    with one_process_on_cpu():  # as build_llm's: on CPU the one-process executor
+        return EngineArgs(**llm_kwargs(s, **extra)).create_engine_config()
 
 
 def generate(

@@ -48,22 +48,27 @@ def ray_session():
     ray.shutdown()
 
 
-def learner_and_workers(ray, tiny_pair, tmp_path, micro_batch: int = 2, num_workers: int = 2):
-    """A one-rank DraftLearner (set up, rendezvous on its own node) and rollout workers on Ray, all holding the
-    tiny pair's drafter: the two ends of a collective weight sync."""
+@pytest.fixture(scope="session")
+def sync_actors(ray_session, tiny_pair, tmp_path_factory):
+    """A one-rank DraftLearner (set up, rendezvous on its own node) and two rollout workers on Ray, all holding the
+    tiny pair's drafter: the two ends of a collective weight sync. Started once for the session's sync tests;
+    each test kills worker 1 once (Ray restarts it), and each publishes before it compares weights."""
     from draftopd.drafters import save_drafter
     from draftopd.opd.learner import DraftLearner, LearnerSpec
     from draftopd.opd.rollout import RolloutWorker
     from draftopd.schema import DrafterConfig
 
+    ray, tmp_path = ray_session, tmp_path_factory.mktemp("sync-actors")
     target, drafter = tiny_pair
     target.model.save_pretrained(tmp_path / "tiny")
     init = str(save_drafter(drafter, tmp_path / "drafter"))
     spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(kind=drafter.kind), init)
     learner = ray.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
-    worker_cls = ray.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=1, max_task_retries=1)
+    worker_cls = ray.remote(RolloutWorker).options(num_cpus=0.25, max_restarts=4, max_task_retries=1)
     args = (str(tmp_path / "tiny"), target.aux_layer_ids, "float32", [1], 1)
-    workers = [worker_cls.remote(*args, i) for i in range(num_workers)]
+    workers = [worker_cls.remote(*args, i) for i in range(2)]
     master = ray.get(learner.free_port.remote())
-    ray.get([learner.setup.remote(micro_batch, master), *[w.pid.remote() for w in workers]])
-    return learner, workers
+    ray.get([learner.setup.remote(2, master), *[w.pid.remote() for w in workers]])
+    yield learner, workers
+    for actor in [learner, *workers]:
+        ray.kill(actor)

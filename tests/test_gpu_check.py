@@ -88,7 +88,7 @@ def test_the_restricted_python_has_torch_and_transformers_alone(tmp_path):
 def test_quick_check_passes_with_torch_and_transformers_alone(tmp_path):
     python, env = _python(tmp_path)
     report = tmp_path / "gpu-check.json"
-    cmd = [*python, str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--quick", "--threads", "1"]
+    cmd = [*python, str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--quick", "--threads", "2"]
     out = subprocess.run(
         [*cmd, "--out", str(report)], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path
     )

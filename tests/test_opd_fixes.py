@@ -269,24 +269,34 @@ def _nan_gradient_run(zero_stage: int, tmp: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_nonfinite_gradient_norm_skips_the_step(tmp_path, zero_stage):
-    """A finite loss whose gradient is NaN: the step is skipped and counted like a non-finite loss."""
+def test_nonfinite_gradient_norm_skips_the_step(tmp_path):
+    """A finite loss whose gradient is NaN: the step is skipped and counted like a non-finite loss, at ZeRO 0 and 2.
+
+    Each stage runs in a process of its own (see _nan_gradient_run); the two run side by side, one thread each.
+    """
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_opd_fixes as t; "
-        f"print('RESULT', json.dumps(t._nan_gradient_run({zero_stage}, {str(tmp_path)!r})))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, out.stderr[-3000:].splitlines()[-15:]
-    r = json.loads(line[len("RESULT ") :])
-    assert r["skipped"] == 1 and r["total"] == 1 and r["unchanged"]
-    assert r["clean_skipped"] == 0 and math.isfinite(r["clean_norm"]) and r["clean_norm"] > 0 and r["finite"]
+    procs = {}
+    for stage in (0, 2):
+        (tmp_path / str(stage)).mkdir()
+        code = (
+            f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_opd_fixes as t; "
+            f"print('RESULT', json.dumps(t._nan_gradient_run({stage}, {str(tmp_path / str(stage))!r})))"
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs[stage] = subprocess.Popen([sys.executable, "-c", code], **pipes)
+    for stage, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, (stage, stderr[-3000:].splitlines()[-15:])
+        r = json.loads(line[len("RESULT ") :])
+        assert r["skipped"] == 1 and r["total"] == 1 and r["unchanged"], (stage, r)
+        assert r["clean_skipped"] == 0 and math.isfinite(r["clean_norm"]) and r["clean_norm"] > 0 and r["finite"]
 
 
 def test_k3_compares_the_drafter_with_the_target_restricted_to_the_draft_vocabulary():

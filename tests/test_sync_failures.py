@@ -38,13 +38,11 @@ def _in_thread(fn, seconds: float):
 
 
 @pytest.mark.parametrize("tiny_pair", ["eagle3"], indirect=True)
-def test_a_worker_killed_mid_broadcast_fails_the_sync_and_a_new_group_heals_it(ray_session, tiny_pair, tmp_path):
-    from conftest import learner_and_workers
-
+def test_a_worker_killed_mid_broadcast_fails_the_sync_and_a_new_group_heals_it(ray_session, sync_actors):
     from draftopd.opd.runtime import RayRuntime
     from draftopd.opd.weight_sync import CollectiveSync, WeightSyncError
 
-    learner, workers = learner_and_workers(ray_session, tiny_pair, tmp_path)  # started: joins are quick
+    learner, workers = sync_actors  # started: joins are quick
     timeout_s = 8.0
     sync = CollectiveSync(RayRuntime(), "gloo", timeout_s=timeout_s)
     config = ray_session.get(learner.drafter_config.remote())
@@ -98,8 +96,6 @@ def test_a_worker_killed_mid_broadcast_fails_the_sync_and_a_new_group_heals_it(r
     want = ray_session.get(learner.weights.remote())
     for got in ray_session.get([w.weights.remote() for w in workers]):
         assert all(torch.equal(want[k], got[k].to(want[k].dtype)) for k in want)
-    for actor in [learner, *workers]:
-        ray_session.kill(actor)
 
 
 def test_deepspeed_rendezvous_comes_from_rank_0(tmp_path):

@@ -280,6 +280,8 @@ def test_nonfinite_gradient_norm_skips_the_step(tmp_path):
     import sys
     from pathlib import Path
 
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     procs = {}
     for stage in (0, 2):
         (tmp_path / str(stage)).mkdir()
@@ -287,8 +289,6 @@ def test_nonfinite_gradient_norm_skips_the_step(tmp_path):
             f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_opd_fixes as t; "
             f"print('RESULT', json.dumps(t._nan_gradient_run({stage}, {str(tmp_path / str(stage))!r})))"
         )
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         procs[stage] = subprocess.Popen([sys.executable, "-c", code], **pipes)
     for stage, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)

@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random models (float64, so exactness tests test the algorithm, not rounding)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,7 +26,38 @@ NOT_IN_OPD = {
 OPD_TESTS = ("test_opd.py", "test_opd_streams.py", "test_opd_loop.py", "test_learner_gpu.py")
 
 
+# The suite runs on two xdist workers (pyproject's addopts), a module whole on one worker, so that its module
+# fixtures (vLLM engines, servers, runs) start once; the modules that use the session's Ray all go to the same
+# worker, so that one Ray instance serves the whole session. Checked at collection: a module that uses Ray and
+# is not named here is an error.
+ON_RAY = {
+    "test_dflash.py",
+    "test_learner_gpu.py",
+    "test_opd_loop.py",
+    "test_session.py",
+    "test_sync_failures.py",
+    "test_vllm_backend.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndRay(LoadScopeScheduling):
+        """xdist's per-module scheduling, with the Ray modules as one unit (run first: it is the longest)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if Path(module).name in ON_RAY else module
+
+    return ModulesAndRay(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    on_ray = {item.path.name for item in items if "ray_session" in item.fixturenames}
+    if on_ray - ON_RAY:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(on_ray - ON_RAY)} to ON_RAY (they use Ray)")
     for item in items:
         kind = getattr(item, "callspec", None) and item.callspec.params.get("tiny_pair")
         if kind in NOT_IN_OPD and item.path.name in OPD_TESTS:

@@ -158,10 +158,14 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(f"opd.accumulate_rounds={o.accumulate_rounds} must be at least 1")
     if not cfg.sync.timeout_s > 0:  # a group without a deadline hangs on a lost member until NCCL's watchdog
         raise ConfigError(f"sync.timeout_s={cfg.sync.timeout_s} must be positive")
-    if o.steps_per_round + o.sync_every > max_staleness:
+    if o.max_policy_lag not in (0, 1):
+        # one round in flight at a time: a larger lag would only queue more rounds on the same workers
+        raise ConfigError(f"opd.max_policy_lag={o.max_policy_lag} must be 0 (synchronous) or 1 (overlapped)")
+    if (1 + o.max_policy_lag) * o.steps_per_round + o.sync_every > max_staleness:
         # A round's states would go stale before its last learner step: the step would find none to replay.
+        lag = f"(1 + opd.max_policy_lag {o.max_policy_lag}) x " if o.max_policy_lag else ""
         raise ConfigError(
-            f"opd.steps_per_round + opd.sync_every ({o.steps_per_round} + {o.sync_every}) must not exceed "
+            f"{lag}opd.steps_per_round + opd.sync_every ({o.steps_per_round} + {o.sync_every}) must not exceed "
             f"buffer.max_staleness ({max_staleness})"
         )
     if cfg.learner.num_gpus_per_learner not in (0, 1):

@@ -78,6 +78,8 @@ class Plan:
     roles: dict[str, Role]
     time: dict[str, float]
     assumptions: dict = field(default_factory=dict)
+    split: dict | None = None
+    """The GPUs' split between rollout workers and learner ranks that minimises the overlapped run."""
 
     @property
     def hours(self) -> float:
@@ -91,6 +93,7 @@ class Plan:
             "hours": round(self.hours, 2),
             "time": {k: round(v, 3) for k, v in self.time.items()},
             "assumptions": self.assumptions,
+            "split": self.split,
         }
 
 
@@ -308,14 +311,61 @@ def run_time(cfg, t: TargetShape, d: DrafterShape, phases: dict, device: GpuSpec
         out["eval_hours"] = evals * (one + rebuild) / 3600
     keys = ("sft_hours", "opd_learner_hours", "opd_rollout_hours", "eval_hours")
     out["total_hours"] = sum(out.get(k, 0.0) for k in keys)
+    if cfg.opd.enabled:
+        # the evaluations ride on the rollout workers: in the overlapped loop they lengthen the rollout side
+        rollout_s = (out["opd_rollout_hours"] + out["eval_hours"]) * 3600 / max(1, o.num_rounds)
+        learner_s = out.get("opd_learner_hours", 0.0) * 3600 / max(1, o.num_rounds)
+        overlapped = overlapped_seconds(o.num_rounds, rollout_s, learner_s) / 3600
+        out["opd_overlapped_hours"] = overlapped
+        out["total_overlapped_hours"] = out.get("sft_hours", 0.0) + overlapped
     return out
+
+
+def overlapped_seconds(rounds: int, rollout_s: float, learner_s: float) -> float:
+    """The Draft-OPD phase at opd.max_policy_lag 1 (opd/pipeline.py): the first round decodes alone, each later
+    one beside the learning on the round before it, and the last round's learning runs alone."""
+    if rounds <= 0:
+        return 0.0
+    return rollout_s + (rounds - 1) * max(rollout_s, learner_s) + learner_s
+
+
+def best_split(cfg) -> dict | None:
+    """The split of the recipe's GPUs between rollout workers and learner ranks that minimises the overlapped
+    run, among those where every role fits; the global learner batch (learner.batch_size x ranks) is kept, so
+    each rank's rows change with the rank count. None when the roles are not on GPUs."""
+    import copy
+
+    r, lc = cfg.rollout, cfg.learner
+    if not cfg.opd.enabled or r.num_gpus_per_worker < 1 or lc.num_gpus_per_learner < 1 or cfg.ray.in_process:
+        return None
+    per_worker = int(r.num_gpus_per_worker)
+    gpus = r.num_workers * per_worker + lc.num_learners
+    rows = lc.batch_size * lc.num_learners
+    best = None
+    for workers in range(1, gpus // per_worker + 1):
+        ranks = gpus - workers * per_worker
+        if ranks < 1:
+            break
+        sub = copy.deepcopy(cfg)
+        sub.rollout.num_workers, sub.learner.num_learners = workers, ranks
+        sub.learner.batch_size = math.ceil(rows / ranks)
+        plan = make_plan(sub, split=False)
+        if not all(role.fits for role in plan.roles.values()):
+            continue
+        option = {"rollout_workers": workers, "learner_ranks": ranks, "learner_batch_size": sub.learner.batch_size,
+                  "gpus": gpus, "hours_overlapped": plan.time["total_overlapped_hours"],
+                  "hours_synchronous": plan.time["total_hours"]}  # fmt: skip
+        if best is None or option["hours_overlapped"] < best["hours_overlapped"]:
+            best = option
+    return best
 
 
 # ---- the plan --------------------------------------------------------------------------------------------
 
 
-def make_plan(cfg, recipe: str = "") -> Plan:
-    """The plan of a loaded config; PlanError when the family or the target's shape is not known here."""
+def make_plan(cfg, recipe: str = "", split: bool = True) -> Plan:
+    """The plan of a loaded config; PlanError when the family or the target's shape is not known here. With
+    `split`, also the split of its GPUs between the roles that minimises the overlapped run (`best_split`)."""
     if cfg.drafter.kind != "eagle3":
         raise PlanError(f"drafter.kind={cfg.drafter.kind}: the planner models EAGLE-3 drafters only")
     t = shape_from_config(target_config(cfg.target.path))
@@ -342,7 +392,10 @@ def make_plan(cfg, recipe: str = "") -> Plan:
         "target_params_b": round(t.params / 1e9, 3),
         "drafter_trainable_params_m": round(d.trainable_params / 1e6, 2),
     }
-    return Plan(recipe, device, roles, run_time(cfg, t, d, phases, device), assumptions)
+    plan = Plan(recipe, device, roles, run_time(cfg, t, d, phases, device), assumptions)
+    if split:
+        plan.split = best_split(cfg)
+    return plan
 
 
 def _gpu_names() -> list[str]:
@@ -400,6 +453,16 @@ def _time_lines(plan: Plan) -> list[str]:
         lines.append(f"  rollout round {t['rollout_round_s']:.1f} s; rollouts total {t['opd_rollout_hours']:.1f} h")
         lines.append(f"  {t['evaluations']:.0f} evaluations of {t['eval_s']:.0f} s: {t['eval_hours']:.1f} h")
     lines.append(f"  whole run: {t['total_hours']:.1f} h")
+    if "total_overlapped_hours" in t:
+        lines[-1] = (f"  whole run: {t['total_hours']:.1f} h synchronous (opd.max_policy_lag 0), "
+                     f"{t['total_overlapped_hours']:.1f} h overlapped (opd.max_policy_lag 1)")  # fmt: skip
+    sp = plan.split
+    if sp:
+        lines.append(
+            f"  split of the {sp['gpus']} GPUs for the overlapped run: {sp['rollout_workers']} rollout workers, "
+            f"{sp['learner_ranks']} learner ranks (learner.batch_size {sp['learner_batch_size']} per rank): "
+            f"{sp['hours_overlapped']:.1f} h overlapped, {sp['hours_synchronous']:.1f} h synchronous; every role fits"
+        )
     return lines
 
 

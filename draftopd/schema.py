@@ -294,6 +294,10 @@ class OPDConfig:
     """Held-out prompts in each periodic evaluation."""
     checkpoint_every: int = 4
     """Resumable checkpoint every this many rounds."""
+    max_policy_lag: int = 0
+    """Rounds a rollout may decode ahead of the learner: 0 is the synchronous loop (round r + 1 decodes after the
+    learner has learned from round r); 1 decodes round r + 1 while the learner learns from rounds up to r, with
+    the drafter it had before that learner phase (rollout workers and learner ranks busy at once)."""
 
 
 @dataclass

@@ -214,11 +214,17 @@ def test_update_accumulation_over_rollout_rounds():
         cfg=cfg,
         state=DriverState(),
         eval_k=4,
-        rollout_round=lambda: events.append("rollout") or {},
+        rollouts=SimpleNamespace(
+            collect=lambda q: events.append("rollout") or {},
+            sync=lambda: 0.0,
+            evaluate=lambda: {},
+            finished_evals=lambda block=False: [],
+            drain=lambda: [],
+            begin=lambda: None,
+            summary=lambda: {},
+        ),
         buffer_stats=lambda: {},
-        log=lambda metrics, phase: None,
-        sync=lambda: 0.0,
-        evaluate=lambda: {},
+        log=lambda metrics, phase, version=None: None,
         opd_step=lambda step, total: events.append((step, total)) or {},
     )
     opd_phase(s)

@@ -217,3 +217,29 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
         assert {"gib", "capacity_gib", "fits", "parts"} <= set(role)
         assert role["gib"] == pytest.approx(sum(role["parts"].values()), abs=0.01)
     assert report["hours"] > 0 and report["gpu"] == "H100-80GB"
+
+
+def test_overlapped_hours_and_the_split_that_minimises_them():
+    """The overlapped phase: the first round alone, then each beside the learning before it, the last learning
+    alone; the plan's split keeps every role within its GPU and the global learner batch, and no other fitting
+    split of the recipe's GPUs is faster."""
+    from draftopd.plan import overlapped_seconds
+
+    assert overlapped_seconds(10, 3.0, 3.0) == 33.0  # against 60 synchronous: (R + L) / max(R, L) as rounds grow
+    assert overlapped_seconds(10, 5.0, 1.0) == 5.0 + 9 * 5.0 + 1.0
+    cfg = load_config(ROOT / "recipes" / "qwen3-8b.yaml")
+    plan = make_plan(cfg, "qwen3-8b")
+    t, sp = plan.time, plan.split
+    assert t["total_overlapped_hours"] < t["total_hours"]
+    gpus = int(cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker) + cfg.learner.num_learners
+    assert sp["gpus"] == gpus and sp["rollout_workers"] + sp["learner_ranks"] == gpus
+    assert sp["learner_batch_size"] * sp["learner_ranks"] >= cfg.learner.batch_size * cfg.learner.num_learners
+    for workers in range(1, gpus):
+        over = [f"rollout.num_workers={workers}", f"learner.num_learners={gpus - workers}"]
+        rows = -(-cfg.learner.batch_size * cfg.learner.num_learners // (gpus - workers))
+        other = make_plan(load_config(ROOT / "recipes" / "qwen3-8b.yaml", [*over, f"learner.batch_size={rows}"]))
+        if all(role.fits for role in other.roles.values()):
+            assert other.time["total_overlapped_hours"] >= sp["hours_overlapped"] - 1e-9
+    chosen = [f"rollout.num_workers={sp['rollout_workers']}", f"learner.num_learners={sp['learner_ranks']}"]
+    chosen.append(f"learner.batch_size={sp['learner_batch_size']}")
+    assert all(r.fits for r in make_plan(load_config(ROOT / "recipes" / "qwen3-8b.yaml", chosen)).roles.values())

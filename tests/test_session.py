@@ -139,3 +139,57 @@ def test_repeated_nonfinite_losses_stop_the_job(tmp_path, clean_process_group):
     rows = [json.loads(x) for x in open(tmp_path / "toy-opd" / "metrics.jsonl")]
     skipped = [r for r in rows if r["phase"] == "opd" and r.get("skipped_nonfinite") == 1]
     assert len(skipped) == 1 and skipped[0]["num_nonfinite_total"] == 1  # the stopping step is not logged
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_overlapped_rounds_learn_a_round_behind_and_resume_to_the_same_run(tmp_path, clean_process_group, monkeypatch):
+    """opd.max_policy_lag=1: round r + 1 is decoded by the drafter the learner had before it learned from round r
+    (a lag of steps_per_round versions for every round after the first), an evaluation asked for while a round is
+    in flight is logged at the version it measured, and a run stopped at the checkpoint that holds a round decoded
+    ahead (in the buffer, not decoded again) resumes to the uninterrupted run's rows and final drafter."""
+    from draftopd.opd.session import Session
+
+    over = [*SMALL, "opd.max_policy_lag=1", "opd.checkpoint_every=2", "buffer.max_staleness=6"]
+    whole = run_opd(load_config(RECIPE, [f"run.out_dir={tmp_path / 'a'}", *over]), ["test"], InProcessRuntime())
+    rows = [json.loads(x) for x in (Path(whole["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    n_sft = max(r["policy_version"] for r in rows if r["phase"] == "sft")
+    rollouts = [r for r in rows if r["phase"] == "rollout" and "rollout/tau" in r]
+    assert [r["rollout/policy_lag_max"] for r in rollouts] == [0.0, 2.0, 2.0]  # 2 steps per round
+    assert [r["policy_version"] for r in rollouts] == [n_sft, n_sft + 2, n_sft + 4]  # when the learner reads them
+    assert all(0.0 <= r["pipeline/rollout_idle_share"] <= 1.0 for r in rollouts[1:])
+    evaluated = [
+        (r["phase"], r["policy_version"]) for r in rows if r["phase"] in ("opd", "eval") and "eval/toy/tau" in r
+    ]
+    due = [v for v in range(n_sft + 1, n_sft + 7) if v % 4 == 0]
+    # asked for with the next round out: logged when read (phase eval); after the last round: at once
+    assert evaluated == [("eval" if v < n_sft + 6 else "opd", v) for v in due] and len(due) == 2
+    assert [r["policy_version"] for r in rows if r["phase"] == "opd"] == list(range(n_sft + 1, n_sft + 7))
+
+    real = Session.checkpoint
+
+    def stop_after_round_2(s):
+        real(s)
+        if s.state.round == 2:
+            raise _Stop
+
+    monkeypatch.setattr(Session, "checkpoint", stop_after_round_2)
+    with pytest.raises(_Stop):
+        run_opd(load_config(RECIPE, [f"run.out_dir={tmp_path / 'b'}", *over]), ["test"], InProcessRuntime())
+    monkeypatch.setattr(Session, "checkpoint", real)
+    run_dir = tmp_path / "b" / "toy-opd"
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())["dir"]
+    state = json.loads((run_dir / "checkpoints" / pointer / "driver_state.json").read_text())
+    assert (state["round"], state["rounds_decoded"]) == (2, 3)  # round 2 decoded ahead, in the checkpoint's buffer
+    resumed = run_opd(load_config(RECIPE, [*over, f"run.out_dir={tmp_path / 'b'}", "run.resume=true"]), ["test"],
+                      InProcessRuntime())  # fmt: skip
+    again = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    key = lambda r: {k: v for k, v in r.items() if not k.startswith(("pipeline/", "rollout/tokens_per_s"))}  # noqa: E731
+    timed = ("sync_seconds", "learner/samples_per_s")
+    same = lambda rs: [{k: v for k, v in key(r).items() if k not in timed} for r in rs if r["phase"] != "sft"]  # noqa: E731
+    assert same(again) == same(rows)  # no round decoded twice, every row as in the uninterrupted run
+    _, _, a = read_checkpoint(whole["drafter"])
+    _, _, b = read_checkpoint(resumed["drafter"])
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -46,23 +46,37 @@ def sft_phase(s: Session) -> None:
 
 
 def opd_phase(s: Session) -> None:
-    o = s.cfg.opd
+    o, rollouts = s.cfg.opd, s.rollouts  # opd/pipeline.py: what runs ahead of the learner (opd.max_policy_lag)
     total = o.num_rounds // o.accumulate_rounds * o.steps_per_round  # learner steps of the phase (lr schedule)
+    rollouts.begin()
     for _ in tqdm(range(s.state.round, o.num_rounds), desc="Draft-OPD rounds", unit="round"):
-        s.log({**s.rollout_round(), **s.buffer_stats()}, "rollout")
+        s.log({**rollouts.collect(s.state.round), **s.buffer_stats()}, "rollout")
         phase = (s.state.round + 1) // o.accumulate_rounds - 1  # learner phases before this one
         learns = (s.state.round + 1) % o.accumulate_rounds == 0  # after every accumulate_rounds-th round
         for j in range(o.steps_per_round if learns else 0):
             metrics = s.opd_step(phase * o.steps_per_round + j, total)
             if s.state.policy_version % o.sync_every == 0:
-                metrics["sync_seconds"] = s.sync()
+                metrics["sync_seconds"] = rollouts.sync()  # None (not logged) while a round is in flight: after it
             if s.state.policy_version % o.eval_every == 0:
-                metrics.update(s.evaluate())
+                metrics.update(rollouts.evaluate())  # {} while a round is in flight: logged when read
             s.log(metrics, "opd")
+        for version, metrics in rollouts.finished_evals():
+            s.log(metrics, "eval", version)
         s.state.round += 1
+        if s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds:
+            drain(s)  # a checkpoint holds every decoded round; the last evaluation is read
         refresh_plot(s)
         if s.state.round % o.checkpoint_every == 0:
             s.checkpoint()
+    s.log(rollouts.summary(), "opd_end")
+
+
+def drain(s: Session) -> None:
+    """Whatever the rollout workers have in flight, finished and logged (before a checkpoint, at the end)."""
+    for metrics in s.rollouts.drain():
+        s.log(metrics, "rollout")
+    for version, metrics in s.rollouts.finished_evals(block=True):
+        s.log(metrics, "eval", version)
 
 
 def refresh_plot(s: Session) -> None:

@@ -11,6 +11,7 @@ the driver to publish again (collective sync).
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -96,6 +97,7 @@ class RolloutWorker:
         self._engine = None
         self.policy_version = -1
         self.group = None  # (name, transport, process group) of a collective weight sync
+        self.spans: list[tuple[float, float]] = []  # wall-clock (start, end) of each generate call, until taken
 
     @property
     def engine(self) -> RolloutBackend:
@@ -207,6 +209,7 @@ class RolloutWorker:
     ) -> list[Trajectory]:
         """Decode `prompts` with the drafter named by `update` (None: the target alone), `batch_size` at a time
         (for vLLM, which batches by itself, chunks keep the seeds per chunk)."""
+        start = time.time()
         if update is not None:
             self.apply_update(update)
         out: list[Trajectory] = []
@@ -215,7 +218,13 @@ class RolloutWorker:
             for t, idx in zip(chunk, prompt_indices[i : i + batch_size]):
                 t.prompt_index = idx
             out.extend(chunk)
+        self.spans.append((start, time.time()))
         return out
+
+    def take_spans(self) -> list[tuple[float, float]]:
+        """The busy spans since the last call (the driver's idle shares: opd/pipeline.py)."""
+        spans, self.spans = self.spans, []
+        return spans
 
     def _generate(self, prompts, sampling, with_drafter: bool) -> list[Trajectory]:
         from draftopd.vllm_backend.rollout import NeedsWeights  # light: vLLM is imported only by its engine

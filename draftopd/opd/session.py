@@ -23,9 +23,10 @@ from draftopd.eval.acceptance import acceptance_stats
 from draftopd.loading import eos_ids, load_tokenizer, resolve_drafter_path
 from draftopd.messages import SamplingConfig
 from draftopd.opd.learner import LearnerSpec
+from draftopd.opd.pipeline import RolloutPipeline
 from draftopd.opd.replay import opd_loss_config
 from draftopd.opd.runtime import InProcessRuntime, RayRuntime
-from draftopd.opd.weight_sync import StaleWeights, WeightSyncError, make_weight_sync
+from draftopd.opd.weight_sync import WeightSyncError, make_weight_sync
 from draftopd.rundir import RunDir, latest_checkpoint
 from draftopd.schema import Config, to_dict
 from draftopd.sft.trainer import SFTExample, lr_at
@@ -61,7 +62,8 @@ class DriverState:
     """What the driver itself must remember to resume; saved next to the learner checkpoint."""
 
     policy_version: int = 0
-    round: int = 0
+    round: int = 0  # rounds the learner has learned from
+    rounds_decoded: int = 0  # rounds whose trajectories are in the buffer (one more than `round` with a lag)
     sft_done: bool = False
     mlflow_run_id: str = ""
     drafter_config: dict = field(default_factory=dict)
@@ -120,6 +122,7 @@ class Session:
         self.update = None  # the WeightUpdate generate calls carry; set by `sync`
         self.nonfinite_in_a_row = 0
         self.num_skipped_stale = 0  # learner steps skipped because the buffer held no fresh state
+        self.learner_seconds = 0.0  # the learner ranks' busy time: steps and publishes (the pipeline's idle shares)
 
     # -- placement ---------------------------------------------------------------
 
@@ -128,6 +131,7 @@ class Session:
 
         self.workers = rollout_actors(self.cfg, self.eos)
         self.buffer = buffer_actor(self.cfg)
+        self.rollouts = RolloutPipeline(self, self.cfg.opd.max_policy_lag)
 
     def place_learners(self, init_path: str = "", draft_vocab: list[int] | None = None) -> None:
         """The DeepSpeed ranks, each building the initial drafter itself (from `init_path`, else fresh)."""
@@ -160,38 +164,6 @@ class Session:
     def _split(self, items: list, n: int) -> list[list]:
         return [items[i::n] for i in range(n)]
 
-    def _generate(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool, desc: str = "") -> list:
-        """Object refs of finished trajectory chunks (one engine batch each, dealt round-robin to the workers).
-
-        A chunk refused by a worker that missed a collective broadcast (it was restarted) runs again
-        after a new publish; one killed mid-call was already retried by Ray on the restarted worker.
-        """
-        n, bs = len(self.workers), self.cfg.rollout.batch_size
-        chunks = [(self.workers[j % n], i) for j, i in enumerate(range(0, len(prompts), bs))]
-
-        def submit(k):
-            worker, i = chunks[k]
-            update = self.update if with_drafter else None
-            return worker.generate.remote(prompts[i : i + bs], indices[i : i + bs], sampling, update, bs)
-
-        refs = [submit(k) for k in range(len(chunks))]
-        slot = {ref: k for k, ref in enumerate(refs)}
-        pending = list(refs)
-        with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not desc, leave=False) as bar:
-            while pending:
-                [ref], pending = self.rt.wait(pending, num_returns=1)
-                k = slot[ref]
-                try:
-                    self.rt.get(ref)
-                except StaleWeights:
-                    self.sync()
-                    refs[k] = submit(k)
-                    slot[refs[k]] = k
-                    pending.append(refs[k])
-                    continue
-                bar.update(min(bs, len(prompts) - chunks[k][1]))
-        return refs
-
     def target_responses(self) -> list[SFTExample]:
         d = self.cfg.data
         # A pool made by `draftopd prepare-data` for this target and template already holds the target's responses.
@@ -200,7 +172,7 @@ class Session:
             return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in pooled]
         sampling = SamplingConfig(d.max_new_tokens, d.response_temperature, 0, self.cfg.run.seed)
         indices = list(range(len(self.train_prompts)))
-        refs = self._generate(self.train_prompts, indices, sampling, False, "target responses")
+        refs = self.rollouts.decode(self.train_prompts, indices, sampling, False, "target responses")
         trajs = [t for chunk in self.rt.get(refs) for t in chunk]
         return [SFTExample(t.prompt_ids + t.output_ids, len(t.prompt_ids)) for t in trajs]
 
@@ -213,48 +185,33 @@ class Session:
         return self.place_learners(draft_vocab=ids.tolist())
 
     def _learner_call(self, method: str, shards: list, *args) -> dict:
-        """One synchronous step on every rank; a dead learner ends the job with a clear message."""
-
+        """One synchronous step on every rank, its metrics merged; a dead learner ends the job with a clear
+        message. The step then counts (`count_step`)."""
+        t0 = time.perf_counter()
         refs = [getattr(learner, method).remote(shard, *args) for learner, shard in zip(self.learners, shards)]
         results = self._learners_get(refs, method)
+        self.learner_seconds += time.perf_counter() - t0
         merged = {k: sum(r[k] for r in results) / len(results) for k in results[0] if isinstance(results[0][k], float)}
         merged.update({k: results[0][k] for k in results[0] if not isinstance(results[0][k], float)})
-        if results[0].get("skipped_nonfinite"):
+        return self.count_step(merged)
+
+    def count_step(self, metrics: dict) -> dict:
+        """The policy version's one owner: a step that updated the drafter makes the next version; a skipped one
+        (non-finite loss) does not, and too many in a row end the job."""
+        if metrics.get("skipped_nonfinite"):
             self.nonfinite_in_a_row += 1
             if self.nonfinite_in_a_row >= self.cfg.learner.max_nonfinite_in_a_row:
                 raise TrainingError(f"{self.nonfinite_in_a_row} non-finite losses in a row; stopping")
         else:
             self.nonfinite_in_a_row = 0
             self.state.policy_version += 1
-        return merged
+        return metrics
 
     def sft_step(self, batch: list[SFTExample], step: int, total: int) -> dict:
         s = self.cfg.sft
         lr = lr_at(step, total, s.lr, s.warmup_ratio)
         shards = self._split(batch, len(self.learners))
         return self._learner_call("sft_step", shards, s.ttt_depth, s.depth_decay, s.max_seq_len, lr)
-
-    def rollout_round(self) -> dict:
-        """Prompts of this round through the workers into the buffer; returns rollout metrics."""
-        r, n = self.cfg.rollout, len(self.train_prompts)
-        start = (self.state.round * r.prompts_per_round) % n
-        idx = [(start + i) % n for i in range(r.prompts_per_round)]
-        sampling = SamplingConfig(
-            r.max_new_tokens, r.temperature, r.num_draft_tokens, self.cfg.run.seed + self.state.round
-        )
-        t0 = time.perf_counter()
-        refs = self._generate([self.train_prompts[i] for i in idx], idx, sampling, True)
-        added = self.rt.get([self.buffer.add.remote(ref) for ref in refs])
-        seconds = time.perf_counter() - t0
-        trajs = [t for chunk in self.rt.get(refs) for t in chunk]  # small: token lists and step records
-        stats = acceptance_stats(trajs, r.num_draft_tokens)
-        tokens = sum(len(t.output_ids) for t in trajs)
-        return {
-            "rollout/tau": stats["tau"],
-            "rollout/tokens_per_s": tokens / seconds,
-            **{f"rollout/accept_pos_{i}": a for i, a in enumerate(stats.get("acceptance_per_position", []))},
-            "rollout/error_states_added": float(sum(added)),
-        }
 
     def opd_lr(self, step: int, total: int) -> float:
         """learner.lr at OPD learner step `step` of `total`: linear warm-up, then constant or cosine decay."""
@@ -317,7 +274,9 @@ class Session:
                 tqdm.write(f"{_first_line(exc)}; publishing again over a new group")
             except self.rt.ActorDied as exc:
                 raise TrainingError(f"a learner rank died during weight sync ({_first_line(exc)})") from None
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.learner_seconds += seconds
+        return seconds
 
     def save_drafter(self, path: Path) -> Path:
         """Learner rank 0 writes the drafter directory (every rank is called: ZeRO-3 gathers collectively)."""
@@ -330,25 +289,34 @@ class Session:
         except self.rt.ActorDied as exc:
             raise TrainingError(f"a learner rank died during {what} ({_first_line(exc)})") from None
 
-    def evaluate(self) -> dict:
-        k = self.eval_k
-        sampling = SamplingConfig(self.cfg.eval.max_new_tokens, 0.0, k, self.cfg.run.seed)
-        refs = self._generate(self.eval_prompts, list(range(len(self.eval_prompts))), sampling, True)
-        stats = acceptance_stats([t for chunk in self.rt.get(refs) for t in chunk], k)
-        out = {
+    def eval_sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.cfg.eval.max_new_tokens, 0.0, self.eval_k, self.cfg.run.seed)
+
+    def eval_metrics(self, chunks: list) -> dict:
+        stats = acceptance_stats([t for chunk in chunks for t in chunk], self.eval_k)
+        return {
             "eval/toy/tau": stats["tau"],
             **{f"eval/toy/accept_pos_{i}": a for i, a in enumerate(stats["acceptance_per_position"])},
         }
-        return out
+
+    def evaluate(self) -> dict:
+        """The held-out evaluation of the drafter the workers hold, now (the pipeline's, when none is in flight)."""
+        indices = list(range(len(self.eval_prompts)))
+        return self.eval_metrics(
+            self.rt.get(self.rollouts.decode(self.eval_prompts, indices, self.eval_sampling(), True))
+        )
 
     # -- bookkeeping ---------------------------------------------------------------
 
-    def log(self, metrics: dict, phase: str) -> None:
+    def log(self, metrics: dict, phase: str, version: int | None = None) -> None:
+        """A row of metrics at `version` (default: the current policy version; an evaluation read later names
+        the version it measured)."""
+        version = self.state.policy_version if version is None else version
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
-        row = {"phase": phase, "policy_version": self.state.policy_version, **clean}
+        row = {"phase": phase, "policy_version": version, **clean}
         self.run.log(row)
         self.state.history.append(row)
-        self.tracker.log_metrics(clean, step=self.state.policy_version)
+        self.tracker.log_metrics(clean, step=version)
 
     def buffer_stats(self) -> dict:
         return buffer_metrics(self.rt.get(self.buffer.stats.remote(self.state.policy_version)))

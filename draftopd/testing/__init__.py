@@ -105,7 +105,8 @@ def in_process_session(cfg, learner, trajectories):
     buffer.add(trajectories)
     s = SimpleNamespace(cfg=cfg, rt=InProcessRuntime(), buffer=InProcessHandle(buffer), state=DriverState())
     s.learners, s.nonfinite_in_a_row, s.num_skipped_stale = [InProcessHandle(learner)], 0, 0
-    for name in ("_learner_call", "_learners_get", "opd_lr"):
+    s.learner_seconds = 0.0
+    for name in ("_learner_call", "count_step", "_learners_get", "opd_lr"):
         setattr(s, name, getattr(Session, name).__get__(s))
     return s
 

@@ -81,13 +81,15 @@ def _learner_pids(ray_session, driver_pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def opd_run(ray_session, tmp_path_factory):
-    """Two rounds and two crashes: the driver is SIGKILLed after round 1, then the resumed driver's learners as
-    soon as both are alive (before round 2).
+    """Two overlapped rounds (opd.max_policy_lag 1) and two crashes: the driver is SIGKILLed after round 1, then
+    the resumed driver's learners as soon as both are alive (before round 2).
 
     Each crash is followed by a resume; the last one runs round 2 to the end in this process.
     """
     out = tmp_path_factory.mktemp("runs")
-    args = [f"run.out_dir={out}", *TINY, "rollout.num_workers=1"]  # 2 learner ranks
+    # 2 learner ranks; each round decodes beside the learning on the round before (the synchronous loop runs on
+    # Ray in test_vllm_backend.py and test_ray_job.py, in process in test_session.py)
+    args = [f"run.out_dir={out}", *TINY, "rollout.num_workers=1", "opd.max_policy_lag=1"]
     run_dir = out / "toy-opd"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     pipes = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -116,8 +118,10 @@ def test_opd_run_trains_and_logs_curves(opd_run):
     history = result["history"]
     opd_rows = [r for r in history if r["phase"] == "opd" and "loss" in r]
     assert opd_rows and all("loss_accepted" in r and "loss_rejected" in r for r in opd_rows)
-    versions = [r["policy_version"] for r in history]
+    versions = [r["policy_version"] for r in history if r["phase"] != "eval"]  # an evaluation read late: its own
     assert versions == sorted(versions) and versions[-1] == 1 + 2  # 1 SFT step + 2 rounds of 1 OPD step
+    lags = [r["rollout/policy_lag_max"] for r in history if "rollout/tau" in r]
+    assert lags == [0.0, 1.0]  # round 1 decoded while the learner learned from round 0
 
     client = MlflowClient(resolve_tracking_uri(run_dir))
     run = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])[0]

@@ -452,10 +452,11 @@ def _time_lines(plan: Plan) -> list[str]:
         lines.append(f"  Draft-OPD learner step {t['opd_step_s']:.2f} s; learner total {t['opd_learner_hours']:.1f} h")
         lines.append(f"  rollout round {t['rollout_round_s']:.1f} s; rollouts total {t['opd_rollout_hours']:.1f} h")
         lines.append(f"  {t['evaluations']:.0f} evaluations of {t['eval_s']:.0f} s: {t['eval_hours']:.1f} h")
-    lines.append(f"  whole run: {t['total_hours']:.1f} h")
     if "total_overlapped_hours" in t:
-        lines[-1] = (f"  whole run: {t['total_hours']:.1f} h synchronous (opd.max_policy_lag 0), "
+        lines.append(f"  whole run: {t['total_hours']:.1f} h synchronous (opd.max_policy_lag 0), "
                      f"{t['total_overlapped_hours']:.1f} h overlapped (opd.max_policy_lag 1)")  # fmt: skip
+    else:
+        lines.append(f"  whole run: {t['total_hours']:.1f} h")
     sp = plan.split
     if sp:
         lines.append(

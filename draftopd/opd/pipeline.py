@@ -50,15 +50,14 @@ class RolloutPipeline:
         self.evals: list[Decode] = []  # held-out evaluations in flight
         self.due_sync = self.due_eval = False
         self.spans: list = []  # refs to the workers' busy spans (wall-clock start, end)
-        self.busy: list[tuple[float, float]] = []  # spans read back
         self.begin()
 
     def begin(self) -> None:
         """Account from now on (the Draft-OPD phase's start): busy seconds and intervals start here."""
-        self.mark, self.started = time.time(), time.time()  # the end of the last interval accounted for
+        self.started = self.mark = time.time()  # mark: the end of the last interval accounted for
         self.learner_mark = self.s.learner_seconds
         self.rollout_busy = self.learner_busy = 0.0
-        self.busy = []
+        self.busy: list[tuple[float, float]] = []  # spans read back
 
     # -- decoding --------------------------------------------------------------------------------
 
@@ -102,6 +101,11 @@ class RolloutPipeline:
     def decode(self, prompts, indices, sampling: SamplingConfig, with_drafter: bool, desc: str = "") -> list:
         """Decode now and wait (target responses, synchronous evaluations): the refs of the finished chunks."""
         return self.wait(self.submit(prompts, indices, sampling, with_drafter), desc)
+
+    def submit_eval(self) -> Decode:
+        """The held-out evaluation of the drafter the workers are to hold, sent."""
+        s = self.s
+        return self.submit(s.eval_prompts, list(range(len(s.eval_prompts))), s.eval_sampling(), True)
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -181,8 +185,7 @@ class RolloutPipeline:
             self.s.sync()
             self.due_sync = False
         if self.due_eval:
-            s = self.s
-            self.evals.append(self.submit(s.eval_prompts, list(range(len(s.eval_prompts))), s.eval_sampling(), True))
+            self.evals.append(self.submit_eval())
             self.due_eval = False
 
     # -- what the loop asks for between learner steps -------------------------------------------

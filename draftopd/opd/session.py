@@ -301,10 +301,7 @@ class Session:
 
     def evaluate(self) -> dict:
         """The held-out evaluation of the drafter the workers hold, now (the pipeline's, when none is in flight)."""
-        indices = list(range(len(self.eval_prompts)))
-        return self.eval_metrics(
-            self.rt.get(self.rollouts.decode(self.eval_prompts, indices, self.eval_sampling(), True))
-        )
+        return self.eval_metrics(self.rt.get(self.rollouts.wait(self.rollouts.submit_eval())))
 
     # -- bookkeeping ---------------------------------------------------------------
 

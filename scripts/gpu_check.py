@@ -1,6 +1,7 @@
 """The device check (`scripts/gpu-check`): what CPU tests cannot show, in one command on one GPU.
 
-1. identity: the native engine's greedy output equals the target alone's, every drafter, fp32 and bf16;
+1. identity: the native engine's greedy output equals the target alone's, every drafter: token for token in
+   fp32, and in bf16 up to near-ties of rounding (each one priced by the target's logits, then followed);
 2. learner: one SFT step and one Draft-OPD learner step in bf16 on the device;
 3. memory: one EAGLE-3 TTT step at the qwen3-8b drafter's shape and 4,608 tokens, beside the plan's figure.
 
@@ -66,6 +67,11 @@ def _identity_lines(result: dict) -> list[str]:
             lines.append(f"{head} ERROR {c['error']}")
         else:
             verdict = "identical" if c["identical"] else f"MISMATCH {c['first_mismatch']}"
+            if not c["identical"] and c["passed"]:
+                margins = ", ".join(f"{x['target_margin']:+.4f}" for x in c["partings"])
+                verdict = f"identical up to {len(c['partings'])} near-tie(s) (target margins {margins})"
+            elif "partings" in c:
+                verdict += f"; partings {c['partings']}"
             lines.append(
                 f"{head} K={c['k']:<2} tau {c['tau']:.2f}  {c['tokens']} tokens  {verdict}  {c['seconds']:.1f} s"
             )

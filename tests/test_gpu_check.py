@@ -128,6 +128,34 @@ def test_a_different_output_is_reported_with_the_targets_margin():
     assert _first_mismatch(target, [prompt], [ref], [ref[:2]], "cpu")["spec_len"] == 2
 
 
+def test_a_parting_at_a_near_tie_is_followed_and_one_beyond_it_fails(monkeypatch):
+    """bf16's rule: where the engine parts from the target alone, the target's two logits must be within the
+    tolerance; the walk then runs the target alone on from the engine's token and checks the rest."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_identity as gci
+
+    from draftopd.loading import eos_ids, load_target, load_tokenizer
+
+    torch.set_num_threads(1)
+    target, eos = load_target("toy", gci.AUX), eos_ids(load_tokenizer("toy"), "toy")
+    prompt = gci.toy_prompts(1, arithmetic_only=True)[0]
+    (ref,), _ = gci._decode(target, None, [prompt], 0, 16, eos, "cpu", 1)
+    other = next(t for t in range(20, 400) if t not in eos and t != ref[3])
+    (tail,), _ = gci._decode(target, None, [prompt + ref[:3] + [other]], 0, 12, eos, "cpu", 1)
+    spec = ref[:3] + [other] + tail  # the target alone after one changed token: one parting, at position 3
+    assert gci.bf16_spacing(6.0) == 2.0**-5 and gci.bf16_spacing(-0.75) == 2.0**-8
+    monkeypatch.setattr(gci, "TIE_ULPS", 1e9)  # every parting a tie: followed to the end
+    walk = gci._follow(target, prompt, spec, eos, "cpu", 16)
+    assert walk["lossless"] and [x["position"] for x in walk["partings"]] == [3]
+    assert walk["partings"][0]["spec_token"] == other and walk["partings"][0]["target_margin"] > 0
+    wrong_tail = spec[:5] + [t for t in range(30, 41) if t not in eos][: len(spec) - 5]
+    walk = gci._follow(target, prompt, wrong_tail, eos, "cpu", 16)  # beyond the tie the tokens are not the target's
+    assert len(walk["partings"]) >= 2 and walk["partings"][1]["position"] >= 5
+    monkeypatch.setattr(gci, "TIE_ULPS", 0)  # nothing is a tie: the first parting fails
+    walk = gci._follow(target, prompt, spec, eos, "cpu", 16)
+    assert not walk["lossless"] and len(walk["partings"]) == 1 and not walk["partings"][0]["near_tie"]
+
+
 def test_a_lossy_verification_rule_fails_the_identity_check(monkeypatch):
     """With a rule that keeps every draft (lossy), the check reports a mismatch: it can fail."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -142,7 +170,9 @@ def test_a_lossy_verification_rule_fails_the_identity_check(monkeypatch):
     torch.set_num_threads(1)
     case = [c for c in gci.drafter_cases() if c.name == "toy-eagle3"]
     checks = gci.check_dtype("float32", gci.toy_prompts(2, arithmetic_only=True), 24, "cpu", 2, case)
-    assert not checks[1]["identical"] and checks[1]["first_mismatch"]["position"] >= 0
+    assert not checks[1]["identical"] and not checks[1]["passed"] and checks[1]["first_mismatch"]["position"] >= 0
+    checks = gci.check_dtype("bfloat16", gci.toy_prompts(2, arithmetic_only=True), 24, "cpu", 1, case)
+    assert not checks[1]["passed"] and not checks[1]["partings"][-1]["near_tie"]  # bf16's tolerance does not hide it
 
 
 def test_the_tracked_tree_travels_to_the_device_machine():

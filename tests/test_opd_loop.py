@@ -195,6 +195,63 @@ def test_killed_rollout_worker_is_restarted_and_its_work_redone(ray_session):
     ray_session.kill(worker)
 
 
+def test_a_worker_killed_in_an_overlapped_round_is_restarted_and_the_round_redone(ray_session, tmp_path, monkeypatch):
+    """opd.max_policy_lag 1: the only rollout worker dies while round 1 decodes beside the learner's step on round
+    0. Ray restarts it and retries the call there; the round's trajectories are those a fresh worker decodes from
+    the same call (same weights, same seeds), and the run goes on to its end with the round's lag logged.
+
+    The worker is frozen before round 1 is sent and killed while frozen, so the call is in flight when it dies."""
+    from draftopd.opd.actors import rollout_actors
+    from draftopd.opd.pipeline import RolloutPipeline
+
+    seen = {}
+    start, finish = RolloutPipeline._start, RolloutPipeline._finish
+
+    def start_then_kill(self, q):
+        if q != 1:
+            return start(self, q)
+        [worker] = self.s.workers
+        seen["pid"] = pid = ray_session.get(worker.pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        start(self, q)
+        d = self.rounds[q]
+        ready, _ = ray_session.wait(d.refs, num_returns=len(d.refs), timeout=1)
+        assert not ready  # a frozen worker cannot have answered
+        os.kill(pid, signal.SIGKILL)
+        seen.update(decode=d, update=self.s.update, learner_version=self.s.state.policy_version)
+
+    def finish_and_look(self, q):
+        metrics = finish(self, q)
+        if q == 1:
+            seen["pid_after"] = ray_session.get(self.s.workers[0].pid.remote())
+        return metrics
+
+    monkeypatch.setattr(RolloutPipeline, "_start", start_then_kill)
+    monkeypatch.setattr(RolloutPipeline, "_finish", finish_and_look)
+    over = [f"run.out_dir={tmp_path}", *TINY, "rollout.num_workers=1", "learner.num_learners=1"]
+    cfg = load_config(RECIPE, [*over, "opd.max_policy_lag=1"])
+    result = run_opd(cfg, ["test"])
+
+    assert seen["pid_after"] != seen["pid"]  # restarted
+    rounds = [r for r in result["history"] if "rollout/tau" in r]
+    assert [r["rollout/policy_lag_max"] for r in rounds] == [0.0, 1.0]  # round 1 was decoded beside learning
+    assert all(r["rollout/error_states_added"] > 0 for r in rounds)
+    assert result["history"][-1]["policy_version"] == 1 + 2  # 1 SFT step + 2 rounds of 1 step: the run ended
+    d = seen["decode"]
+    got = [t for chunk in ray_session.get(d.refs) for t in chunk]
+    assert {t.policy_version for t in got} == {seen["update"].policy_version}
+    [fresh] = rollout_actors(cfg, [2])
+    bs = cfg.rollout.batch_size
+    calls = [fresh.generate.remote(d.prompts[i : i + bs], d.indices[i : i + bs], d.sampling, seen["update"], bs)
+             for _, i in d.chunks]  # fmt: skip
+    want = [t for chunk in ray_session.get(calls) for t in chunk]
+    assert [t.output_ids for t in got] == [t.output_ids for t in want] and len(got) == len(d.prompts)
+    assert [[(x.num_accepted, x.rejected) for x in t.steps] for t in got] == [
+        [(x.num_accepted, x.rejected) for x in t.steps] for t in want
+    ]
+    ray_session.kill(fresh)
+
+
 # The learner's skip and the weight transport are the same code for every family: one family runs them on Ray.
 # What differs by family, the in-place load of a pushed state, is checked for each in test_drafters.py.
 @pytest.mark.parametrize("tiny_pair", ["eagle3"], indirect=True)

@@ -49,6 +49,7 @@ def opd_phase(s: Session) -> None:
     o, rollouts = s.cfg.opd, s.rollouts  # opd/pipeline.py: what runs ahead of the learner (opd.max_policy_lag)
     total = o.num_rounds // o.accumulate_rounds * o.steps_per_round  # learner steps of the phase (lr schedule)
     rollouts.begin()
+    plotted = None  # held-out evaluations in the plot last drawn
     for _ in tqdm(range(s.state.round, o.num_rounds), desc="Draft-OPD rounds", unit="round"):
         s.log({**rollouts.collect(s.state.round), **s.buffer_stats()}, "rollout")
         phase = (s.state.round + 1) // o.accumulate_rounds - 1  # learner phases before this one
@@ -65,7 +66,12 @@ def opd_phase(s: Session) -> None:
         s.state.round += 1
         if s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds:
             drain(s)  # a checkpoint holds every decoded round; the last evaluation is read
-        refresh_plot(s)
+        # redrawn when a held-out evaluation lands and at checkpoints, not every round: the driver's own work runs
+        # beside both roles when rounds overlap learning (MLflow's metric charts show rollout tau every round)
+        evals = sum("eval/toy/tau" in r for r in s.state.history)
+        if evals != plotted or s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds:
+            refresh_plot(s)
+            plotted = evals
         if s.state.round % o.checkpoint_every == 0:
             s.checkpoint()
     s.log(rollouts.summary(), "opd_end")

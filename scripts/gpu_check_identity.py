@@ -117,18 +117,25 @@ def bf16_spacing(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0**-126))) - 7)
 
 
-def _follow(target, prompt, spec, eos, device, max_new: int) -> dict:
-    """Walk `spec` against the target alone from `prompt`: wherever they part, the parting must be a near-tie;
-    the target alone then goes on from the engine's token. {"partings": [...], "lossless": bool}."""
-    partings, anchor = [], 0
+def _first_difference(a: list, b: list) -> int:
+    """The first position where `a` and `b` differ; the shorter one's length where one is a prefix of the other."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _follow(target, prompt, ref, spec, eos, device, max_new: int) -> dict:
+    """Walk `spec` against the target alone from `prompt` (`ref`: its output there at batch 1, or None to decode
+    it): wherever they part, the parting must be a near-tie; the target alone then goes on from the engine's token.
+    {"partings": [...], "lossless": bool}."""
+    partings, anchor, alone = [], 0, ref
     while anchor < len(spec) and len(partings) <= MAX_PARTINGS:
-        (alone,), _ = _decode(target, None, [prompt + spec[:anchor]], 0, max_new - anchor, eos, device, 1)
+        if anchor or alone is None:
+            (alone,), _ = _decode(target, None, [prompt + spec[:anchor]], 0, max_new - anchor, eos, device, 1)
         rest = spec[anchor:]
         if alone == rest:
             return {"partings": partings, "lossless": True}
-        j = next((j for j, (x, y) in enumerate(zip(alone, rest)) if x != y), None)
-        if j is None:  # one is a prefix of the other: a length difference is never a tie
-            partings.append({"position": anchor + min(len(alone), len(rest)), "length_difference": True})
+        j = _first_difference(alone, rest)
+        if j == min(len(alone), len(rest)):  # one is a prefix of the other: a length difference is never a tie
+            partings.append({"position": anchor + j, "length_difference": True})
             return {"partings": partings, "lossless": False}
         want, got = _logits(target, prompt, spec[: anchor + j], alone[j], rest[j], device)
         tol = TIE_ULPS * bf16_spacing(max(abs(want), abs(got)))
@@ -145,7 +152,7 @@ def _first_mismatch(target, prompts, ref, spec, device) -> dict | None:
     for i, (p, a, b) in enumerate(zip(prompts, ref, spec)):
         if a == b:
             continue
-        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        j = _first_difference(a, b)
         if j == min(len(a), len(b)):  # one is a prefix of the other: a length difference
             return {"prompt": i, "position": j, "target_len": len(a), "spec_len": len(b)}
         margin = _margin(target, p, a[:j], a[j], b[j], device)
@@ -171,7 +178,7 @@ def check_dtype(dtype: str, prompts, max_new: int, device, batch: int, cases=Non
             rec.update(identical=mismatch is None, tokens=sum(map(len, ref)), tau=tau, first_mismatch=mismatch)
             rec["passed"] = mismatch is None
             if mismatch is not None and ALLOW_TIES[dtype]:
-                walks = {i: _follow(target, p, s, eos, device, max_new)
+                walks = {i: _follow(target, p, r if batch == 1 else None, s, eos, device, max_new)
                          for i, (p, r, s) in enumerate(zip(prompts, ref, spec)) if r != s}  # fmt: skip
                 rec["partings"] = [dict(x, prompt=i) for i, w in walks.items() for x in w["partings"]]
                 rec["passed"] = all(w["lossless"] for w in walks.values())

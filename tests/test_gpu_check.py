@@ -145,14 +145,14 @@ def test_a_parting_at_a_near_tie_is_followed_and_one_beyond_it_fails(monkeypatch
     spec = ref[:3] + [other] + tail  # the target alone after one changed token: one parting, at position 3
     assert gci.bf16_spacing(6.0) == 2.0**-5 and gci.bf16_spacing(-0.75) == 2.0**-8
     monkeypatch.setattr(gci, "TIE_ULPS", 1e9)  # every parting a tie: followed to the end
-    walk = gci._follow(target, prompt, spec, eos, "cpu", 16)
+    walk = gci._follow(target, prompt, ref, spec, eos, "cpu", 16)
     assert walk["lossless"] and [x["position"] for x in walk["partings"]] == [3]
     assert walk["partings"][0]["spec_token"] == other and walk["partings"][0]["target_margin"] > 0
     wrong_tail = spec[:5] + [t for t in range(30, 41) if t not in eos][: len(spec) - 5]
-    walk = gci._follow(target, prompt, wrong_tail, eos, "cpu", 16)  # beyond the tie the tokens are not the target's
+    walk = gci._follow(target, prompt, ref, wrong_tail, eos, "cpu", 16)  # past the tie: not the target's tokens
     assert len(walk["partings"]) >= 2 and walk["partings"][1]["position"] >= 5
     monkeypatch.setattr(gci, "TIE_ULPS", 0)  # nothing is a tie: the first parting fails
-    walk = gci._follow(target, prompt, spec, eos, "cpu", 16)
+    walk = gci._follow(target, prompt, ref, spec, eos, "cpu", 16)
     assert not walk["lossless"] and len(walk["partings"]) == 1 and not walk["partings"][0]["near_tie"]
 
 

@@ -218,7 +218,7 @@ def test_a_worker_killed_in_an_overlapped_round_is_restarted_and_the_round_redon
         ready, _ = ray_session.wait(d.refs, num_returns=len(d.refs), timeout=1)
         assert not ready  # a frozen worker cannot have answered
         os.kill(pid, signal.SIGKILL)
-        seen.update(decode=d, update=self.s.update, learner_version=self.s.state.policy_version)
+        seen.update(decode=d, update=self.s.update)
 
     def finish_and_look(self, q):
         metrics = finish(self, q)

@@ -64,12 +64,13 @@ def opd_phase(s: Session) -> None:
         for version, metrics in rollouts.finished_evals():
             s.log(metrics, "eval", version)
         s.state.round += 1
-        if s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds:
+        boundary = s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds
+        if boundary:
             drain(s)  # a checkpoint holds every decoded round; the last evaluation is read
         # redrawn when a held-out evaluation lands and at checkpoints, not every round: the driver's own work runs
         # beside both roles when rounds overlap learning (MLflow's metric charts show rollout tau every round)
         evals = sum("eval/toy/tau" in r for r in s.state.history)
-        if evals != plotted or s.state.round % o.checkpoint_every == 0 or s.state.round == o.num_rounds:
+        if evals != plotted or boundary:
             refresh_plot(s)
             plotted = evals
         if s.state.round % o.checkpoint_every == 0:

@@ -32,6 +32,7 @@ OPD_TESTS = ("test_opd.py", "test_opd_streams.py", "test_opd_loop.py", "test_lea
 # is not named here is an error.
 ON_RAY = {
     "test_dflash.py",
+    "test_fleet.py",
     "test_learner_gpu.py",
     "test_opd_loop.py",
     "test_session.py",

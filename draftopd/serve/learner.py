@@ -66,6 +66,9 @@ class LearnerSettings:
     """K the guard decodes with: the server's."""
     max_seq_len: int = 384
     """Tokens kept per replayed trajectory."""
+    context_tokens: int = 256
+    """The fleet's learner keeps at most this many prompt tokens before a trajectory's response (its step cost
+    stays flat on long prompts)."""
     poll_s: float = 0.5
     """Pause when there is no budget or traffic yet."""
     retry_s: float = 5.0

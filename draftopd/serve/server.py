@@ -90,6 +90,12 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    return make_arg_parser(FlexibleArgumentParser(prog="draftopd serve")).parse_args(vllm_argv(s, target_dir, spec))
+
+
+def vllm_argv(s: ServeSettings, target_dir: str, spec: dict | None) -> list[str]:
+    """`vllm serve`'s flags for draftopd's settings: what the in-process server parses and a fleet replica's vLLM
+    server is started with."""
     argv = ["--model", target_dir, "--host", s.host, "--port", str(s.port), "--dtype", serving_dtype(s)]
     argv += ["--max-model-len", str(s.max_model_len)]
     fraction = serving_memory_fraction(s)
@@ -114,7 +120,7 @@ def vllm_args(s: ServeSettings, target_dir: str, spec: dict | None):
         argv += ["--speculative-config", json.dumps(spec), "--weight-transfer-config", json.dumps(CONFIG)]
     if s.api_key:
         argv += ["--api-key", s.api_key]
-    return make_arg_parser(FlexibleArgumentParser(prog="draftopd serve")).parse_args(argv)
+    return argv
 
 
 def serve(s: ServeSettings) -> NoReturn:

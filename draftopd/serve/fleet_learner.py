@@ -1,0 +1,170 @@
+"""FleetLearner: the serving fleet's learner, Draft-OPD's learner role fed by the traffic's records.
+
+Serving is Draft-OPD's rollout at fleet scale: every response is target-verified speculative decoding whose step
+counts the router records. So the learner is `opd/`'s: the records' trajectories go into opd's `ReplayBuffer`,
+each step is `DraftLearner.opd_step` (the family's Draft-OPD loss, a DeepSpeed step) on a sample of it, and a
+candidate's weights come out of `DraftLearner.weights`, as in training. What is serving's own is the guard: every
+`candidate_every` steps a snapshot is judged against the drafter serving on a held-out slice of the traffic (every
+`holdout_every`-th trajectory, never trained on), and only a promoted one is returned to the fleet, which pushes
+it. Operators' pushes are vetted here too, by the same guard, so no model object is ever shared between threads:
+this object lives in one process (the fleet's learner actor) and its calls run one at a time.
+
+A step's cost does not grow with the prompt: a trajectory keeps at most `context_tokens` of its prompt before the
+response (the target re-runs over the row on every step), with its steps' positions moved to match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+
+from draftopd.messages import Trajectory
+from draftopd.serve.guard import judge
+from draftopd.serve.learner import LearnerSettings
+
+
+def clip_context(traj: Trajectory, keep: int) -> Trajectory:
+    """`traj` with at most `keep` prompt tokens (its last ones) and its steps' positions moved to match."""
+    cut = max(len(traj.prompt_ids) - keep, 0)
+    if not cut:
+        return traj
+    steps = [dataclasses.replace(s, position=s.position - cut) for s in traj.steps]
+    return dataclasses.replace(traj, prompt_ids=traj.prompt_ids[cut:], steps=steps)
+
+
+class FleetLearner:
+    """`spec`: opd's LearnerSpec (target, drafter, optimizer); `settings`: serving's learner knobs (batch, guard,
+    context). `setup` does the heavy work (DeepSpeed, the target copy on this role's device)."""
+
+    def __init__(self, spec, settings: LearnerSettings, eos: list[int], holdout_every: int = 5):
+        self.spec, self.s, self.eos = spec, settings, list(eos)
+        self.holdout_every = holdout_every
+        self.role = self.buffer = self.incumbent = None
+        self.held: deque = deque(maxlen=max(settings.holdout_n * 4, 64))
+        self.version = 0  # the drafter version serving (the incumbent)
+        self.num_added = self.num_skipped = self.steps = self.candidates = self.refusals = 0
+        self.step_seconds = 0.0
+
+    def setup(self, version: int = 0) -> dict:
+        """Build the DeepSpeed learner (world size 1) and the buffer; the incumbent is the initial drafter."""
+        from draftopd.opd.buffer import ReplayBuffer
+        from draftopd.opd.learner import DraftLearner
+        from draftopd.opd.replay import opd_loss_config
+        from draftopd.schema import BufferConfig, LearnerConfig
+        from draftopd.serve.learner import clone_drafter
+
+        port = _free_port()
+        self.role = DraftLearner(self.spec, 0, 1, "127.0.0.1", port)
+        self.role.setup(micro_batch=self.s.batch_size)
+        cap = max(self.s.batch_size * 64, 1024)
+        self.buffer = ReplayBuffer(BufferConfig(capacity=cap, max_staleness=10**6, include_accepted_steps=True))
+        cfg = dataclasses.replace(LearnerConfig(), **self.s.loss)
+        self.loss_cfg, self.decay = opd_loss_config(cfg), cfg.decay
+        self.incumbent = clone_drafter(self.role.engine.module, self.role.target).eval()
+        self.version = version
+        return {"device": str(self.role.device), "pid": self.role.pid()}
+
+    def add(self, trajs: list[Trajectory]) -> dict:
+        """Traffic in: every `holdout_every`-th trajectory to the held-out slice, the rest to the replay buffer."""
+        for t in trajs:
+            t = clip_context(t, self.s.context_tokens)
+            self.num_added += 1
+            if self.num_added % self.holdout_every == 0:
+                self.held.append(t)
+            else:
+                self.buffer.add([t])
+        return self.counters()
+
+    def work(self, seconds: float) -> dict:
+        """Learner steps for about `seconds` (at least one when the buffer allows); returns the counters and,
+        when a snapshot passed the guard, `candidate` = {config, state, verdict}."""
+        out: dict = {}
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds and len(self.buffer) >= self.s.min_traffic:
+            out["last_step"] = self._step()
+            if self.steps % self.s.candidate_every == 0:
+                cand = self._candidate()
+                if cand is not None:
+                    out["candidate"] = cand
+                    break
+        return {**out, **self.counters()}
+
+    def _step(self) -> dict:
+        states = self.buffer.sample(self.s.batch_size, self.version)
+        t = time.monotonic()
+        s = self.s
+        m = self.role.opd_step(states, s.num_draft_tokens, self.decay, s.max_seq_len, self.loss_cfg, s.lr)
+        self.step_seconds += time.monotonic() - t
+        self.steps += 1
+        return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+    def _snapshot(self):
+        from draftopd.drafters import family
+
+        fam = family(self.role.engine.module.kind)
+        config = fam.read_config(self.role.drafter_config())
+        return fam.from_state(config, self.role.weights(), self.role.target).eval()
+
+    def _candidate(self) -> dict | None:
+        held = list(self.held)[-self.s.holdout_n :]
+        if len(held) < self.s.min_holdout:
+            return None
+        snapshot = self._snapshot()
+        self.candidates += 1
+        verdict = self._judge(snapshot, held)
+        self.last_verdict = verdict.evidence()
+        if not verdict.promote:
+            self.refusals += 1
+            return None
+        return {"config": self.role.drafter_config(), "state": snapshot.state(), "verdict": verdict.evidence()}
+
+    def _judge(self, candidate, held: list[Trajectory]):
+        s = self.s
+        k = s.num_draft_tokens
+        target, limit = self.role.target, s.guard_max_new_tokens
+        return judge(candidate, self.incumbent, target, self.eos, held, k, s.margin, s.confidence, limit)
+
+    def vet(self, config: dict, state: dict) -> dict:
+        """An operator's drafter judged against the serving one on the held-out slice (the learner's own guard)."""
+        from draftopd.drafters import family
+
+        fam = family(config.get("kind") or self.role.engine.module.kind)
+        drafter = fam.from_state(fam.read_config(config), state, self.role.target).eval()
+        held = list(self.held)[-self.s.holdout_n :]
+        return self._judge(drafter, held).evidence()
+
+    def served(self, config: dict, state: dict, version: int) -> None:
+        """The fleet now serves `version` (a promotion, a rollback, an operator's push): the guard's incumbent. The
+        learner trains on from its own weights."""
+        from draftopd.drafters import family
+
+        fam = family(config.get("kind") or self.role.engine.module.kind)
+        self.incumbent = fam.from_state(fam.read_config(config), state, self.role.target).eval()
+        self.version = version
+
+    def counters(self) -> dict:
+        return {
+            "steps": self.steps,
+            "candidates": self.candidates,
+            "refusals": self.refusals,
+            "added": self.num_added,
+            "buffer": len(self.buffer) if self.buffer is not None else 0,
+            "held_out": len(self.held),
+            "step_seconds": self.step_seconds,
+            "version": self.version,
+        }
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

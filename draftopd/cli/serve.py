@@ -63,6 +63,19 @@ def register(sub) -> None:
     )
     p.add_argument("--served-model-name", default="", help="the model name clients send (default: target's dir)")
     p.add_argument("--learner", nargs="*", default=[], metavar="FIELD=VALUE", help="LearnerSettings overrides")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="a fleet on Ray: this many stock vLLM replicas behind draftopd's router, the learner in an actor of "
+        "its own (0, the default: one process, vLLM's server with the learner beside it); needs --api-key",
+    )
+    p.add_argument(
+        "--learner-device",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="the fleet's learner: a core of its own (cpu) or a GPU of its own (gpu)",
+    )
 
     r = add_command(sub, "rollback", cmd_rollback, "make a running `draftopd serve` serve its previous drafter")
     r.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
@@ -117,9 +130,24 @@ def cmd_serve(args) -> int:
     if why:
         print(f"draftopd serve: error: {why}", file=sys.stderr)
         return 2
+    if args.replicas > 0:
+        return _fleet(args, settings)
     from draftopd.serve.server import serve
 
     return serve(settings)
+
+
+def _fleet(args, settings) -> int:
+    if not settings.api_key:
+        print("draftopd serve: error: --replicas needs an API key (--api-key or DRAFTOPD_API_KEY)", file=sys.stderr)
+        return 2
+    if settings.record != "stock":
+        print("draftopd serve: error: a fleet records from the responses: --record stock", file=sys.stderr)
+        return 2
+    from draftopd.serve.fleet import FleetSettings, serve_fleet
+
+    serve_fleet(settings, FleetSettings(args.replicas, args.learner_device, learning=settings.learning))
+    return 0
 
 
 def cmd_rollback(args) -> int:

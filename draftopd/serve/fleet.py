@@ -101,11 +101,11 @@ class Fleet:
     async def close(self) -> None:
         import ray
 
-        for i, actor in self.replicas.items():
-            try:
-                await asyncio.wait_for(actor.stop.remote(), 60)
-            except Exception:
-                log.exception("draftopd fleet: stopping replica %d", i)
+        stops = [asyncio.wait_for(actor.stop.remote(), 60) for actor in self.replicas.values()]
+        for i, result in zip(self.replicas, await asyncio.gather(*stops, return_exceptions=True)):
+            if isinstance(result, BaseException):
+                log.warning("draftopd fleet: stopping replica %d: %s", i, result)
+        for actor in self.replicas.values():
             ray.kill(actor)
         if self.learner is not None:
             ray.kill(self.learner)

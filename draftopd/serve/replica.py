@@ -133,7 +133,7 @@ class Replica:
         """vLLM's own label of the weights serving (what the fleet set at start and at every push)."""
         return str(self._call("GET", "/weight_info", timeout=10).get("weight_version"))
 
-    def stop(self, timeout_s: float = 40.0) -> None:
+    def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (vLLM finishes requests and stops its engine within its shutdown timeout), then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -148,10 +148,21 @@ class Replica:
         """End vLLM's process group at once: the server and whatever of its engine is left."""
         if self.proc is None:
             return
+        import psutil
+
+        try:  # vLLM's engine core may leave the server's process group: its descendants are named one by one
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for child in family:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
         self.proc.wait(30)
 
     def tail(self, lines: int = 12) -> str:

@@ -40,7 +40,8 @@ def main() -> None:
     s = ServeSettings(api_key="pace", port=8790, served_model_name="toy", run_dir=a.run_dir, learner=learner)
     fleet = Fleet(s, FleetSettings(replicas=2, work_s=3.0))
     loop, started = asyncio.new_event_loop(), asyncio.Event()
-    threading.Thread(target=loop.run_until_complete, args=(fleet.run(started),), daemon=True).start()
+    runner = threading.Thread(target=loop.run_until_complete, args=(fleet.run(started),), daemon=True)
+    runner.start()
     while not started.is_set():
         time.sleep(0.5)
     tok = load_tokenizer("toy")
@@ -75,9 +76,8 @@ def main() -> None:
         "tokens_per_row": c.get("last_step", {}).get("num_tokens"),
     }
     print(json.dumps(out), flush=True)
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result()
     loop.call_soon_threadsafe(fleet.stop)
-    time.sleep(25)
+    runner.join(120)  # the replicas stopped and their processes gone before Ray goes
 
 
 if __name__ == "__main__":

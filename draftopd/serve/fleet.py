@@ -75,6 +75,7 @@ class Fleet:
         from draftopd.loading import resolve_target_path
 
         self.target_dir = str(resolve_target_path(self.s.target).resolve())
+        self.eos = self._eos()  # here, before any thread: transformers' lazy imports race between threads
         config = uvicorn.Config(self.router.app(), host=self.s.host, port=self.s.port, log_level="warning")
         self._server = server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())
@@ -333,7 +334,7 @@ class Fleet:
         spec, settings = self._learner_spec()
         gpus = 1 if self.fs.learner_device == "gpu" else 0
         actor = ray.remote(FleetLearner).options(num_cpus=self.fs.learner_cpus, num_gpus=gpus, max_restarts=0)
-        self.learner = actor.remote(spec, settings, self._eos())
+        self.learner = actor.remote(spec, settings, self.eos)
         self.learner_state = "starting"
         info = await self.learner.setup.remote(self.version)
         self.learner_state = f"learning on {info['device']}"

@@ -56,6 +56,7 @@ class Replica:
         self.port, self.url = 0, ""
         self.proc: subprocess.Popen | None = None
         self.version: int | None = None
+        self._engine: list = []
 
     def start(self, drafter_dir: str, version: int) -> str:
         """vLLM's server on `drafter_dir` (the drafter version `version`) on a free loopback port; returns its URL
@@ -93,6 +94,7 @@ class Replica:
         else:
             raise ReplicaError(f"replica {self.index}: vLLM did not answer within {timeout_s:.0f} s: {self.tail()}")
         self._call("POST", "/update_weight_version", {"new_version": str(self.version)})
+        self._engine = _descendants(self.proc.pid)  # a server killed outright leaves these to be ended by name
         return time.monotonic() - t0
 
     def alive(self) -> bool:
@@ -150,10 +152,9 @@ class Replica:
             return
         import psutil
 
-        try:  # vLLM's engine core may leave the server's process group: its descendants are named one by one
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
+        # vLLM's engine core leaves the server's process group: its processes are ended one by one, those seen
+        # when it came up too (a server killed outright no longer lists them as its children)
+        family = _descendants(self.proc.pid) + self._engine
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -211,3 +212,12 @@ def _die_with_owner() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from draftopd.serve.replica import free_port
 
 # The benches' learner budget: 400 steps per 1,000 served tokens, not the server's 50. The toy target answers
 # thinking-off requests in 3-5 tokens, so 50 allows about one step per five requests: at 2 requests/s the
@@ -39,13 +40,6 @@ def serve_args(target: str, drafter: str, k: int, learning: str, learner: list[s
 
 class ServerError(RuntimeError):
     """The server did not start, or died; the message ends with the tail of its log."""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ single-process server, so a replica restarted from disk starts at the serving ve
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -373,11 +372,6 @@ class Fleet:
             "learner": {"state": self.learner_state, **self.learner_counters},
             **self.live.summary(),
         }
-
-    def save_timeline(self) -> Path:
-        out = Path(self.s.run_dir) / "fleet-timeline.json"
-        out.write_text(json.dumps(self.timeline, indent=1) + "\n")
-        return out
 
 
 def serve_fleet(s: ServeSettings, fs: FleetSettings) -> None:

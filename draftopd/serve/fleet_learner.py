@@ -54,8 +54,9 @@ class FleetLearner:
         from draftopd.opd.replay import opd_loss_config
         from draftopd.schema import BufferConfig, LearnerConfig
         from draftopd.serve.learner import clone_drafter
+        from draftopd.serve.replica import free_port
 
-        port = _free_port()
+        port = free_port()
         self.role = DraftLearner(self.spec, 0, 1, "127.0.0.1", port)
         self.role.setup(micro_batch=self.s.batch_size)
         cap = max(self.s.batch_size * 64, 1024)
@@ -155,16 +156,3 @@ class FleetLearner:
             "step_seconds": self.step_seconds,
             "version": self.version,
         }
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

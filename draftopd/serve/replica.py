@@ -65,7 +65,7 @@ class Replica:
         from draftopd.serve.server import vllm_argv
 
         self.kill()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         s = self.spec.settings
         local = ServeSettings(**{**s.__dict__, "host": "127.0.0.1", "port": self.port})
@@ -195,7 +195,8 @@ class Replica:
             return {}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the OS picks it)."""
     import socket
 
     with socket.socket() as sock:

@@ -5,7 +5,8 @@ What must hold: a client gets stock vLLM's own response body and stream (checked
 directly) and, at T = 0, the target's own text; records reach the learner, which steps; /draftopd/status lists
 each replica's version; a promotion reaches every replica through vLLM's weight-update routes and a rollback is
 fleet-wide; a replica whose push times out leaves the rotation and is re-synced; a killed replica's requests are
-served by the other and it comes back at the serving version; a killed learner leaves serving up.
+served by the other and it comes back at the serving version, and a stream it was sending fails cleanly after
+the target's own tokens; a killed learner leaves serving up.
 """
 
 import asyncio
@@ -236,6 +237,43 @@ def test_a_killed_replica_is_served_around_and_restarted_at_the_serving_version(
     _wait(lambda: f.router.members[0].in_rotation, 300, "the restarted replica")
     assert _versions(f) == [str(f.version)] * 2
     assert any(e["replica"] == 0 and e["version"] == -1 for e in f.timeline)
+
+
+def _stream_ids(stream, got: list[int], until: int | None = None) -> None:
+    for chunk in stream:
+        got += ((chunk.choices[0].model_extra or {}).get("token_ids") or []) if chunk.choices else []
+        if until is not None and len(got) >= until:
+            return
+
+
+def test_a_stream_cut_by_a_killed_replica_fails_cleanly(fleet, toy):
+    """Replica 1 is killed while it streams: the client raises, after tokens that are the target's own; the
+    replica comes back at the serving version."""
+    import ray
+
+    f, loop, url = fleet
+    client, p = _client(url), encode_chats(toy["tok"], toy_prompts("held_out", 5))[4]
+    other = f.router.members[0]
+    loop.call_soon_threadsafe(f.router.hold, 0, "syncing", "test: the stream goes to replica 1")
+    _wait(lambda: not f.router.members[0].in_rotation, 10, "replica 0 held")
+    try:
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        stream = client.completions.create(
+            model="toy", prompt=p, max_tokens=400, temperature=0.0, stream=True, extra_body=extra
+        )
+        got: list[int] = []
+        _stream_ids(stream, got, until=4)  # a few tokens out before the kill
+        os.killpg(ray.get(f.replicas[1].pid.remote()), signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="the replica serving this stream failed"):
+            _stream_ids(stream, got)
+    finally:
+        loop.call_soon_threadsafe(f.router.admit, 0, other.url, other.version)
+    alone = SpeculativeEngine(toy["target"], None, []).generate([list(p)], SamplingConfig(max_new_tokens=400))
+    assert 4 <= len(got) < 400 and got == alone[0].output_ids[: len(got)]  # cut short, right as far as it went
+    assert _status(url)["requests"]["stream_failed"] == 1
+    assert _ids(client, p)[0] == _alone(toy, p)  # replica 0 serves meanwhile
+    _wait(lambda: f.router.members[1].in_rotation, 300, "the restarted replica")
+    assert _versions(f) == [str(f.version)] * 2
 
 
 def test_a_killed_learner_leaves_serving_up(fleet, toy):

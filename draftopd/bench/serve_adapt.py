@@ -49,13 +49,14 @@ class AdaptSettings:
     )  # `draftopd serve --learner` overrides (FIELD=VALUE)
     server_args: list[str] = field(default_factory=list)  # more `draftopd serve` flags, both arms
     settle_s: float = 0.2  # pause before reading counters after a window (the last step's stats to land)
+    replicas: int = 2  # a fleet of this many vLLM replicas and a learner of its own; 0: the one-process server
 
 
 def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, out: Path, reference) -> dict:
     """One server, the seed's traffic in windows; the curve, the final status and the lossless check."""
-    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args)
+    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args, s.replicas)
     with ServerProcess(out / f"seed{seed}-{arm}", args) as server:
-        client = ChatClient(server.url, s.max_tokens, thinking(s.shift))
+        client = ChatClient(server.url, s.max_tokens, thinking(s.shift), server.api_key)
         replies, curve = [], []
         t0 = time.monotonic()
         pace = (lambda i: t0 + i / s.rate) if s.rate > 0 else None
@@ -75,14 +76,17 @@ def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, 
         minutes = (time.monotonic() - t0) / 60
         ready_s, rss = server.ready_s, server.rss()
     learner = final["learner"]
+    steps = learner.get("steps", 0)
     return {
         "curve": curve,
         "final_tau": curve[-1]["tau"],
         "minutes": minutes,
         "learner_minutes": minutes if arm == "on" else 0.0,
-        "learner_steps": learner["steps"],
-        "promotions": learner["promotions"],
-        "rejections": learner["rejections"],
+        "learner_steps": steps,
+        "learner_steps_per_minute": steps / minutes if arm == "on" and minutes > 0 else 0.0,
+        "learner_step_seconds": learner.get("step_seconds"),  # the fleet's learner: time inside its steps
+        "promotions": learner.get("promotions", 0),
+        "rejections": learner.get("rejections", 0),
         "learner_errors": learner.get("errors", 0),
         "versions_served": final.get("history", [final["version"]]),
         "failed_requests": sum(bool(r.error) for r in replies),
@@ -90,7 +94,8 @@ def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, 
         "lossless": lossless_check(replies, reference, expected),
         "server_ready_s": ready_s,
         "server_rss_end_mb": rss / 2**20,
-        "buffer": final.get("buffer", {}),
+        "buffer": final.get("buffer", final.get("records", {})),
+        "replicas": final.get("replicas", []),
     }
 
 
@@ -101,9 +106,9 @@ def _point(requests: int, tau: float, seconds: float, batch: list, st: dict) -> 
         "tau": tau,
         "minutes": seconds / 60,
         "version": st["version"],
-        "learner_steps": learner["steps"],
-        "promotions": learner["promotions"],
-        "rejections": learner["rejections"],
+        "learner_steps": learner.get("steps", 0),
+        "promotions": learner.get("promotions", 0),
+        "rejections": learner.get("rejections", 0),
         "failed": sum(bool(r.error) for r in batch),
     }
 
@@ -135,6 +140,7 @@ def summarise(seeds: dict, s: AdaptSettings) -> dict:
         "requests_per_arm": s.num_requests,
         "learner_minutes": sum(r["on"]["learner_minutes"] for r in seeds.values()) / len(seeds),
         "learner_steps": [r["on"]["learner_steps"] for r in seeds.values()],
+        "learner_steps_per_minute": [r["on"]["learner_steps_per_minute"] for r in seeds.values()],
         "promotions": [r["on"]["promotions"] for r in seeds.values()],
         "rejections": [r["on"]["rejections"] for r in seeds.values()],
         "failed_requests": sum(a["failed_requests"] for a in arms),
@@ -147,19 +153,22 @@ def summarise(seeds: dict, s: AdaptSettings) -> dict:
 
 def table(report: dict) -> str:
     s = report["settings"]
+    where = f"a fleet of {s['replicas']} replicas" if s.get("replicas") else "one process"
     lines = [
-        f"serve-adapt: {s['num_requests']} requests per arm ({s['shift']}, {s['domain'] or 'all domains'}), "
-        f"windows of {s['window']}, {s['concurrency']} clients, K={s['num_draft_tokens']}, seeds {s['seeds']}"
+        f"serve-adapt ({where}, drafter {s['drafter']}): {s['num_requests']} requests per arm ({s['shift']}, "
+        f"{s['domain'] or 'all domains'}), windows of {s['window']}, {s['concurrency']} clients, "
+        f"K={s['num_draft_tokens']}, seeds {s['seeds']}"
     ]
     lines.append(
-        f"{'seed':>5} {'tau off':>8} {'tau on':>8} {'on/off':>7} {'steps':>6} {'promoted':>9} "
+        f"{'seed':>5} {'tau off':>8} {'tau on':>8} {'on/off':>7} {'steps':>6} {'steps/min':>9} {'promoted':>9} "
         f"{'refused':>8} {'learner min':>12}"
     )
     for seed, r in report["seeds"].items():
         on, off = r["on"], r["off"]
         lines.append(
             f"{seed:>5} {off['final_tau']:8.3f} {on['final_tau']:8.3f} {r['on_over_off']:7.3f} "
-            f"{on['learner_steps']:6d} {on['promotions']:9d} {on['rejections']:8d} {on['learner_minutes']:12.1f}"
+            f"{on['learner_steps']:6d} {on.get('learner_steps_per_minute', 0.0):9.1f} {on['promotions']:9d} "
+            f"{on['rejections']:8d} {on['learner_minutes']:12.1f}"
         )
     lo, hi = report["on_over_off_ci95"]
     lines.append(f"on/off (final window's live tau): {report['on_over_off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")

@@ -10,6 +10,7 @@ it grows) and whether every response equals the target alone's at T = 0; then th
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class LoadSettings:
     num_draft_tokens: int = 4
     learner: list[str] = field(default_factory=lambda: list(BENCH_LEARNER))
     server_args: list[str] = field(default_factory=list)
+    replicas: int = 2  # a fleet of this many vLLM replicas and a learner of its own; 0: the one-process server
+    arms: tuple[str, ...] = ARMS  # learning on, off, in this order
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,11 +62,12 @@ def rss_trace(samples: list[tuple[float, int]], every_s: float) -> list[list[flo
 
 
 def run_load_arm(arm: str, chats: list, expected: dict, s: LoadSettings, out: Path, reference: Reference) -> dict:
-    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args)
+    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args, s.replicas)
     with ServerProcess(out / f"load-{arm}", args) as server:
-        sampler = RssSampler(server.proc.pid).start()
+        sampler = RssSampler(server.proc.pid, roles=server.role_rss).start()
         try:
-            client = ChatClient(server.url, s.max_tokens, thinking(s.shift))
+            client = ChatClient(server.url, s.max_tokens, thinking(s.shift), server.api_key)
+            t_start = time.time()
             replies, wall = send_for(client, chats, s.concurrency, s.duration_s)
             status = server.status()
         finally:
@@ -87,27 +91,37 @@ def run_load_arm(arm: str, chats: list, expected: dict, s: LoadSettings, out: Pa
         "rss_first_mb": samples[0][1] / 2**20 if samples else float("nan"),
         "rss_last_mb": samples[-1][1] / 2**20 if samples else float("nan"),
         "rss_trace_mb": rss_trace(samples, 10.0),
+        "peak_rss_mb_per_role": {k: v / 2**20 for k, v in sampler.role_peaks.items()},
         "server_ready_s": server.ready_s,
-        "learner_steps": status["learner"]["steps"],
-        "promotions": status["learner"]["promotions"],
-        "rejections": status["learner"]["rejections"],
-        "buffer": status.get("buffer", {}),
+        "learner_steps": status["learner"].get("steps", 0),
+        "promotions": status["learner"].get("promotions", 0),
+        "rejections": status["learner"].get("rejections", 0),
+        "buffer": status.get("buffer", status.get("records", {})),
+        "replicas": status.get("replicas", []),
+        "versions_over_time": _relative(status.get("timeline", []), t_start),
         "lossless": lossless_check(replies, reference, expected),
     }
 
 
+def _relative(timeline: list[dict], t0: float) -> list[dict]:
+    """The fleet's version events with times in seconds from the load's start (negative: before it)."""
+    return [{**e, "time": round(e["time"] - t0, 2)} for e in timeline]
+
+
 def run_load(chats: list, expected: dict, reference: Reference, s: LoadSettings, out: Path) -> dict:
     reference.prepare(list(expected.values()))
-    arms = {arm: run_load_arm(arm, chats, expected, s, out, reference) for arm in ARMS}
-    on, off = arms["on"], arms["off"]
+    arms = {arm: run_load_arm(arm, chats, expected, s, out, reference) for arm in s.arms}
     keys = ("latency_p50_s", "latency_p99_s", "output_tokens_per_s", "peak_rss_mb")
+    both = "on" in arms and "off" in arms
     return {
         "settings": asdict(s),
         "arms": arms,
-        "on_over_off": {k: on[k] / off[k] if off[k] else float("nan") for k in keys},
-        "failed_requests": on["failed"] + off["failed"],
-        "lossless_failures": on["lossless"]["failures"] + off["lossless"]["failures"],
-        "lossless_checked": on["lossless"]["checked"] + off["lossless"]["checked"],
+        "on_over_off": {k: arms["on"][k] / arms["off"][k] if arms["off"][k] else float("nan") for k in keys}
+        if both
+        else {},
+        "failed_requests": sum(a["failed"] for a in arms.values()),
+        "lossless_failures": sum(a["lossless"]["failures"] for a in arms.values()),
+        "lossless_checked": sum(a["lossless"]["checked"] for a in arms.values()),
     }
 
 
@@ -121,15 +135,23 @@ def table(report: dict) -> str:
         f"{'learning':>8} {'requests':>9} {'failed':>7} {'p50 s':>7} {'p99 s':>7} {'tok/s':>8} "
         f"{'peak RSS MB':>12} {'steps':>6} {'promoted':>9}"
     )
-    for arm in ARMS:
-        a = report["arms"][arm]
+    for arm, a in report["arms"].items():
         lines.append(
             f"{arm:>8} {a['requests']:9d} {a['failed']:7d} {a['latency_p50_s']:7.3f} {a['latency_p99_s']:7.3f} "
             f"{a['output_tokens_per_s']:8.1f} {a['peak_rss_mb']:12.0f} {a['learner_steps']:6d} "
             f"{a['promotions']:9d}"
         )
+    for arm, a in report["arms"].items():
+        roles = a.get("peak_rss_mb_per_role", {})
+        if len(roles) > 1:
+            lines.append(
+                f"peak RSS MB per role, learning {arm}: " + ", ".join(f"{k} {v:.0f}" for k, v in roles.items())
+            )
+        for e in a.get("versions_over_time", []):
+            lines.append(f"  t={e['time']:8.1f} s  replica {e['replica']}  version {e['version']:>3}  {e['note']}")
     r = report["on_over_off"]
-    lines.append("on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
+    if r:
+        lines.append("on/off: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
     lines.append(
         f"lossless: {report['lossless_failures']} of {report['lossless_checked']} responses differ from the "
         f"target alone; failed requests: {report['failed_requests']}"

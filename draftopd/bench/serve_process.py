@@ -31,10 +31,14 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTS = "vllm:spec_decode_num_drafts"
 
 
-def serve_args(target: str, drafter: str, k: int, learning: str, learner: list[str], extra: list[str]) -> list[str]:
+def serve_args(
+    target: str, drafter: str, k: int, learning: str, learner: list[str], extra: list[str], replicas: int = 0
+) -> list[str]:
     """`draftopd serve` flags of a bench arm: the arms differ in --learning only (and the learner's overrides,
-    which a server with learning off does not read)."""
+    which a server with learning off does not read). `replicas` > 0: a fleet of that many vLLM replicas (its key
+    is ServerProcess's); 0: the one-process server."""
     args = ["--target", target, "--drafter", drafter, "--num-draft-tokens", str(k), "--learning", learning, *extra]
+    args += ["--replicas", str(replicas)] if replicas else []
     return args + (["--learner", *learner] if learning == "on" and learner else [])
 
 
@@ -119,12 +123,14 @@ def _proc_tree_rss(pid: int) -> int:
 
 
 class RssSampler:
-    """Samples tree_rss(pid) on a thread every `every_s` seconds; `peak` and the samples' times and values."""
+    """Samples tree_rss(pid) on a thread every `every_s` seconds; `peak` and the samples' times and values.
+    With `roles` (a function giving resident bytes per role name), also each role's peak in `role_peaks`."""
 
-    def __init__(self, pid: int, every_s: float = 0.5):
-        self.pid, self.every_s = pid, every_s
+    def __init__(self, pid: int, every_s: float = 0.5, roles=None):
+        self.pid, self.every_s, self.roles = pid, every_s, roles
         self.peak = 0
         self.samples: list[tuple[float, int]] = []
+        self.role_peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -138,6 +144,12 @@ class RssSampler:
             rss = tree_rss(self.pid)
             self.samples.append((time.monotonic() - self._t0, rss))
             self.peak = max(self.peak, rss)
+            if self.roles is not None:
+                try:
+                    for role, b in self.roles().items():
+                        self.role_peaks[role] = max(self.role_peaks.get(role, 0), b)
+                except Exception:  # a status call that failed under load: the next sample counts
+                    pass
             self._stop.wait(self.every_s)
 
     def stop(self) -> None:
@@ -147,12 +159,17 @@ class RssSampler:
 
 class ServerProcess:
     """`python -m draftopd.cli serve ARGS --port P --run-dir DIR` on 127.0.0.1, its output in DIR/server.log.
-    A context manager: entering starts it and waits until it serves; leaving stops it (SIGINT first, so it
-    saves its session; its whole process group after `stop_timeout_s`)."""
+    A context manager: entering starts it and waits until it serves (a fleet: every replica in rotation);
+    leaving stops it (SIGINT first, so it saves its session; its whole process group after `stop_timeout_s`).
+    A fleet (`--replicas` in ARGS) gets a fresh API key, which every call here and `api_key` carry."""
 
     def __init__(self, run_dir: str | Path, args: list[str], ready_timeout_s: float = 900.0):
+        import secrets
+
         self.run_dir = Path(run_dir)
         self.args, self.ready_timeout_s = list(args), ready_timeout_s
+        self.fleet = "--replicas" in self.args
+        self.api_key = secrets.token_hex(16) if self.fleet else "none"
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.ready_s = float("nan")
@@ -177,6 +194,7 @@ class ServerProcess:
         self.port = free_port()
         cmd = [sys.executable, "-m", "draftopd.cli", "serve", *self.args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--run-dir", str(self.run_dir / "run")]
+        cmd += ["--api-key", self.api_key] if self.fleet else []
         log = self.log_path.open("ab")
         t0 = time.monotonic()
         # its own session: stop() can end the engine core and anything else it started, and only that
@@ -196,15 +214,18 @@ class ServerProcess:
                 raise ServerError(f"draftopd serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 self.get("/v1/models", timeout=5)
-                return
+                if not self.fleet or all(r["in_rotation"] for r in self.status()["replicas"]):
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                time.sleep(1.0)
+                pass
+            time.sleep(1.0)
         raise ServerError(
             f"draftopd serve did not answer /v1/models in {self.ready_timeout_s:.0f} s:\n{self.log_tail()}"
         )
 
     def get(self, path: str, timeout: float = 30.0) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.api_key}"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.read()
 
     def counters(self) -> SpecCounters:
@@ -215,6 +236,24 @@ class ServerProcess:
 
     def rss(self) -> int:
         return tree_rss(self.proc.pid) if self.proc is not None else 0
+
+    def role_rss(self) -> dict[str, int]:
+        """Resident bytes per role: the one-process server's tree as `server`; a fleet's router process alone
+        (its driver, the router and Ray's driver state), each replica's vLLM server tree and the learner actor's
+        process (its pids from /draftopd/status)."""
+        if not self.fleet:
+            return {"server": self.rss()}
+        import psutil
+
+        if time.monotonic() - getattr(self, "_pids_at", -1e9) > 10:  # a restarted replica has a new pid
+            self._pids, self._pids_at = self.status().get("pids", {}), time.monotonic()
+        out = {}
+        for role, pid in self._pids.items():
+            try:
+                out[role] = tree_rss(pid) if role.startswith("replica") else psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                out[role] = 0
+        return out
 
     def log_tail(self, lines: int = 30) -> str:
         try:

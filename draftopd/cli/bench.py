@@ -181,9 +181,21 @@ def _serve_common(p: argparse.ArgumentParser, name: str) -> None:
     from draftopd.bench.serve_traffic import SHIFTS
 
     p.add_argument("--target", default="toy", help="target model directory, or 'toy'")
-    p.add_argument("--drafter", default="toy", help="the drafter served first: a directory or a shipped toy name")
-    p.add_argument("--num-draft-tokens", type=at_least_one, default=4, help="K, drafts per step")
+    p.add_argument(
+        "--drafter",
+        default="toy",
+        help="the drafter served first: a directory, a shipped toy name, or a family (eagle3, dflash, pard: its SFT"
+        " drafter on the toy target, trained into OUT/drafters the first time)",
+    )
+    p.add_argument("--num-draft-tokens", type=at_least_one, default=None, help="K (default: the family's, else 4)")
     p.add_argument("--max-new-tokens", type=at_least_one, default=96, help="max_tokens of every request")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="vLLM replicas of the fleet (`serve --replicas`; its learner on a core of its own); 0: the one-process"
+        " server",
+    )
     p.add_argument("--shift", choices=SHIFTS, default="thinking-off", help="what the traffic changes")
     p.add_argument("--concurrency", type=at_least_one, default=None, help="clients sending at once")
     p.add_argument(
@@ -213,6 +225,7 @@ def _serve_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt draw")
     p.add_argument("--duration-s", type=float, default=300.0, help="seconds of load per arm")
     p.add_argument("--num-prompts", type=at_least_one, default=64, help="distinct prompts, cycled")
+    p.add_argument("--arms", nargs="+", choices=["on", "off"], default=["on", "off"], help="learning arms, in order")
 
 
 def _held_out_sets(tokenizer, items, n: int, seed: int) -> dict:
@@ -505,23 +518,36 @@ def _serve_traffic(args, n: int):
     return reference, traffic
 
 
+def _serve_drafter(args) -> tuple[str, int]:
+    """The serving benches' drafter and K: a family name resolves to its SFT drafter (trained once)."""
+    from draftopd.bench.family_drafters import FAMILY_SFT, family_drafter
+
+    if args.drafter in FAMILY_SFT:
+        drafter, k = family_drafter(args.drafter, args.target, Path(args.out))
+    else:
+        drafter, k = args.drafter, 4
+    return drafter, args.num_draft_tokens or k
+
+
 def _bench_serve_adapt(args) -> None:
     from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, mlflow_rows, run_adapt, table
 
+    drafter, k = _serve_drafter(args)
     s = AdaptSettings(
         target=args.target,
-        drafter=args.drafter,
+        drafter=drafter,
         seeds=tuple(args.seeds),
         num_requests=args.num_requests,
         window=args.window,
         concurrency=args.concurrency,
         rate=args.rate,
         max_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=k,
         shift=args.shift,
         domain=args.domain,
         learner=args.learner,
         server_args=args.server_arg,
+        replicas=args.replicas,
     )
     reference, traffic = _serve_traffic(args, s.num_requests)
     out = Path(args.out)
@@ -537,18 +563,21 @@ def _bench_serve_adapt(args) -> None:
 def _bench_serve_load(args) -> None:
     from draftopd.bench.serve_load import LoadSettings, run_load, table
 
+    drafter, k = _serve_drafter(args)
     s = LoadSettings(
         target=args.target,
-        drafter=args.drafter,
+        drafter=drafter,
         seed=args.seed,
         duration_s=args.duration_s,
         concurrency=args.concurrency,
         num_prompts=args.num_prompts,
         max_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=k,
         shift=args.shift,
         learner=args.learner,
         server_args=args.server_arg,
+        replicas=args.replicas,
+        arms=tuple(args.arms),
     )
     reference, traffic = _serve_traffic(args, s.num_prompts)
     chats, expected = traffic(s.seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class Fleet:
         self.learner = self.learner_state = None
         self.learner_counters: dict = {}
         self.replicas: dict[int, object] = {}
+        self.pids: dict[str, int] = {"router": os.getpid()}  # each role's process (a replica's: its vLLM server)
         self.timeline: list[dict] = []  # every replica's version over time (the load run's figure)
         self._swap = asyncio.Lock()
 
@@ -132,6 +134,7 @@ class Fleet:
         self.router.hold(i, "starting", f"vLLM starting at version {version}")
         url = await self.replicas[i].start.remote(str(version_path(self.store, version)), version)
         seconds = await self.replicas[i].wait_ready.remote(self.fs.ready_timeout_s)
+        self.pids[f"replica-{i}"] = await self.replicas[i].pid.remote()
         if version != self.version:  # a promotion landed while it started
             await self._push_one(i, url, self.version)
             return
@@ -336,6 +339,7 @@ class Fleet:
         self.learner = actor.remote(spec, settings, self.eos)
         self.learner_state = "starting"
         info = await self.learner.setup.remote(self.version)
+        self.pids["learner"] = info["pid"]
         self.learner_state = f"learning on {info['device']}"
 
     def _learner_spec(self):
@@ -369,7 +373,10 @@ class Fleet:
             "history": self.history,
             "kind": self.kind,
             "counts": dict(self.counts),
-            "learner": {"state": self.learner_state, **self.learner_counters},
+            "pids": dict(self.pids),
+            "timeline": self.timeline[-200:],  # each replica's version changes (time, replica, version, note)
+            # promotions: the learner's and operators' (POST /draftopd/promote), as the one-process server counts them
+            "learner": {"state": self.learner_state, **self.learner_counters, "promotions": self.counts["promotions"]},
             **self.live.summary(),
         }
 

@@ -44,7 +44,7 @@ class FleetLearner:
         self.role = self.buffer = self.incumbent = None
         self.held: deque = deque(maxlen=max(settings.holdout_n * 4, 64))
         self.version = 0  # the drafter version serving (the incumbent)
-        self.num_added = self.num_skipped = self.steps = self.candidates = self.refusals = 0
+        self.num_added = self.num_skipped = self.steps = self.candidates = self.rejections = 0
         self.step_seconds = 0.0
 
     def setup(self, version: int = 0) -> dict:
@@ -117,7 +117,7 @@ class FleetLearner:
         verdict = self._judge(snapshot, held)
         self.last_verdict = verdict.evidence()
         if not verdict.promote:
-            self.refusals += 1
+            self.rejections += 1
             return None
         return {"config": self.role.drafter_config(), "state": snapshot.state(), "verdict": verdict.evidence()}
 
@@ -149,7 +149,7 @@ class FleetLearner:
         return {
             "steps": self.steps,
             "candidates": self.candidates,
-            "refusals": self.refusals,
+            "rejections": self.rejections,
             "added": self.num_added,
             "buffer": len(self.buffer) if self.buffer is not None else 0,
             "held_out": len(self.held),

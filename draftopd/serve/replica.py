@@ -94,7 +94,7 @@ class Replica:
         else:
             raise ReplicaError(f"replica {self.index}: vLLM did not answer within {timeout_s:.0f} s: {self.tail()}")
         self._call("POST", "/update_weight_version", {"new_version": str(self.version)})
-        self._engine = _descendants(self.proc.pid)  # a server killed outright leaves these to be ended by name
+        self._engine = _descendants(self.proc.pid)  # a server killed outright leaves these (ended by PID)
         return time.monotonic() - t0
 
     def alive(self) -> bool:

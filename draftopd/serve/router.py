@@ -134,6 +134,7 @@ class FleetRouter:
         routes += [Route("/draftopd/status", self._status, methods=["GET"])]
         routes += [Route("/draftopd/{action}", self._control, methods=["POST"])]
         routes += [Route("/health", self._health, methods=["GET"])]
+        routes += [Route("/metrics", self._metrics, methods=["GET"])]
         return Starlette(routes=routes, lifespan=self._lifespan)
 
     def _allowed(self, request) -> bool:
@@ -181,6 +182,24 @@ class FleetRouter:
         body = await request.json() if await request.body() else {}
         code, out = await self.control(request.path_params["action"], body)
         return JSONResponse(out, status_code=code)
+
+    async def _metrics(self, request):
+        """Every replica's Prometheus metrics in one scrape, each sample labelled `replica="i"` (a replica that
+        restarted starts its counters again from zero: per replica, a scraper sees the reset)."""
+        from starlette.responses import PlainTextResponse
+
+        if not self._allowed(request):
+            return self._denied()
+        members = sorted((m for m in self.members.values() if m.state != "starting"), key=lambda m: m.index)
+        got = await asyncio.gather(
+            *(self.client().get(m.url + "/metrics", headers=self._headers()) for m in members), return_exceptions=True
+        )
+        texts = [
+            (f'replica="{m.index}"', r.text)
+            for m, r in zip(members, got)
+            if not isinstance(r, BaseException) and r.status_code == 200
+        ]
+        return PlainTextResponse(merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
     async def _models(self, request):
         from starlette.responses import JSONResponse
@@ -391,6 +410,29 @@ class StreamRecord:
         choice = {"token_ids": self.tokens, "finish_reason": self.finish, "stop_reason": self.stop}
         choice["prompt_token_ids"] = self.prompt
         return {"choices": [choice], "prompt_token_ids": self.prompt, "metrics": self.metrics}
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts, one per (label, text), as one: every sample gets its text's label and each family's
+    samples stay together under its HELP and TYPE lines (written once), as the text format wants."""
+    families: dict[str, dict] = {}
+    for label, text in texts:
+        fam = families.setdefault("", {"head": [], "samples": []})  # samples before any header
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    fam = families.setdefault(parts[2], {"head": [], "samples": []})
+                    if not any(h.split(" ", 2)[1] == parts[1] for h in fam["head"]):
+                        fam["head"].append(line)
+            elif line:
+                name, brace, rest = line.partition("{")
+                if not brace:
+                    name, _, value = line.partition(" ")
+                    rest = f"}} {value}"
+                fam["samples"].append(f"{name}{{{label}{'' if rest.startswith('}') else ','}{rest}")
+    out = [line for fam in families.values() for line in fam["head"] + fam["samples"]]
+    return "\n".join(out) + "\n" if out else ""
 
 
 def _event(chunk: dict) -> str:

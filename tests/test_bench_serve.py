@@ -37,6 +37,21 @@ def test_live_tau_comes_from_vllms_two_counters_summed_over_engines():
     assert parse_spec_counters("") == SpecCounters(0.0, 0.0)
 
 
+def test_the_routers_metrics_merge_the_replicas_labelled_and_grouped_and_sum_as_they_do():
+    from draftopd.serve.router import merge_metrics
+
+    merged = merge_metrics([('replica="0"', METRICS), ('replica="1"', METRICS)])
+    alone = parse_spec_counters(METRICS)
+    assert parse_spec_counters(merged) == SpecCounters(2 * alone.accepted, 2 * alone.drafts)
+    lines = merged.splitlines()
+    samples = [line for line in METRICS.splitlines() if not line.startswith("#")]
+    assert lines[:2] == METRICS.splitlines()[:2]  # the family's HELP and TYPE once, then its samples together
+    assert len(lines) == 2 + 2 * len(samples) and not any(line.startswith("#") for line in lines[2:])
+    assert 'vllm:spec_decode_num_drafts_total{replica="1",engine="1",model_name="toy"} 1.0' in lines
+    assert 'draftopd_learner_steps{replica="0"} 3.0' in lines  # a sample without labels gets the label alone
+    assert merge_metrics([]) == ""
+
+
 def test_percentile_interpolates_between_order_statistics():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert [percentile(xs, q) for q in (0, 50, 100)] == [1.0, 3.0, 5.0]
@@ -106,7 +121,8 @@ def small_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-bench")
     adapt = ["serve-adapt", "--seeds", "1", "--num-requests", "12", "--window", "6", "--rate", "0"]
     adapt += ["--max-new-tokens", "24", "--learner", "steps_per_1k_tokens=1000000", "min_traffic=2"]
-    load = ["serve-load", "--duration-s", "4", "--num-prompts", "6", "--max-new-tokens", "24"]
+    adapt += ["--replicas", "2"]  # a fleet (the default), and the one-process server for the load bench
+    load = ["serve-load", "--duration-s", "4", "--num-prompts", "6", "--max-new-tokens", "24", "--replicas", "0"]
     procs = {"adapt": _bench(adapt, root / "adapt"), "load": _bench(load, root / "load")}
     codes = {name: p.wait(900) for name, p in procs.items()}
     logs = {name: (root / f"{name}.log").read_text() for name in procs}
@@ -127,6 +143,7 @@ def test_serve_adapt_serves_every_request_losslessly_and_reads_live_tau(small_ru
         assert all(1.0 <= p["tau"] <= 5.0 for p in curve), curve  # 1 + accepted/drafts, K = 4
         assert seed[arm]["final_tau"] == curve[-1]["tau"]
     assert seed["on"]["learner_steps"] > 0 and seed["off"]["learner_steps"] == 0  # the arms differ in learning only
+    assert seed["on"]["learner_steps_per_minute"] > 0 and len(seed["on"]["replicas"]) == 2
     assert seed["on_over_off"] == pytest.approx(seed["on"]["final_tau"] / seed["off"]["final_tau"])
     assert r["on_over_off"] == pytest.approx(seed["on_over_off"]) and len(r["on_over_off_ci95"]) == 2
     assert (root / "adapt" / "live_tau_vs_requests.png").stat().st_size > 10_000

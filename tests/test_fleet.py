@@ -6,7 +6,8 @@ directly) and, at T = 0, the target's own text; records reach the learner, which
 each replica's version; a promotion reaches every replica through vLLM's weight-update routes and a rollback is
 fleet-wide; a replica whose push times out leaves the rotation and is re-synced; a killed replica's requests are
 served by the other and it comes back at the serving version, and a stream it was sending fails cleanly after
-the target's own tokens; a killed learner leaves serving up.
+the target's own tokens; a killed learner leaves serving up; a second fleet attached to a replica it does not own
+syncs it to its own version, serves through it and leaves it running.
 """
 
 import asyncio
@@ -285,3 +286,36 @@ def test_a_killed_learner_leaves_serving_up(fleet, toy):
     for _ in range(3):
         assert _ids(client, p)[0] == _alone(toy, p)
     _wait(lambda: str(_status(url)["learner"]["state"]).startswith("down"), 60, "the learner's death noticed")
+
+
+def test_a_fleet_attached_to_a_server_it_does_not_own_syncs_serves_and_leaves_it_running(fleet, toy, tmp_path):
+    """`serve --attach URL`: a second fleet over replica 0 of the first (a vLLM server it did not start) pushes
+    its own version 0 into it before admitting it, serves through it, and leaves it running when it stops."""
+    import ray
+    from serving import free_port
+
+    from draftopd.serve.fleet import Fleet, FleetSettings
+    from draftopd.serve.settings import ServeSettings
+
+    f, _, _ = fleet
+    port = free_port()
+    s = ServeSettings(api_key=KEY, port=port, served_model_name="toy", run_dir=str(tmp_path / "run"), learning=False)
+    attached = Fleet(s, FleetSettings(attach=[f.router.members[0].url], learning=False, push_timeout_s=30.0))
+    loop = asyncio.new_event_loop()
+    started = asyncio.Event()
+    runner = threading.Thread(target=loop.run_until_complete, args=(attached.run(started),), daemon=True)
+    runner.start()
+    _wait(lambda: started.is_set() or not runner.is_alive(), 120, "the attached fleet")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        st = _status(url)
+        assert [(r["version"], r["in_rotation"]) for r in st["replicas"]] == [(0, True)]
+        assert [e["note"].split(" in ")[0] for e in st["timeline"]] == ["pushed"]
+        assert "replica-0" not in st["pids"]  # no process of its own
+        assert ray.get(f.replicas[0].weight_version.remote()) == "0"  # its label is the attached fleet's version
+        p = encode_chats(toy["tok"], toy_prompts("held_out", 1))[0]
+        assert _ids(_client(url), p) == (_alone(toy, p), "0")
+    finally:
+        loop.call_soon_threadsafe(attached.stop)
+        runner.join(60)
+    assert ray.get(f.replicas[0].alive.remote())  # not ours to stop

@@ -207,6 +207,33 @@ def test_serving_defaults_follow_the_device(tmp_path):
     assert (args.dtype, args.gpu_memory_utilization, args.shutdown_timeout) == ("float32", 0.2, 30)
 
 
+def test_day_0_starts_from_a_fresh_drafter_built_from_the_targets_shapes(tmp_path):
+    """`--drafter init:FAMILY`: version 0 of a new run is a fresh drafter of the family for the target (EAGLE-3
+    over the whole vocabulary, DFlash with blocks of K + 1 and the tokenizer's mask token) that vLLM is configured
+    to serve; another family is refused."""
+    from draftopd.drafters import family, load_drafter, read_raw
+    from draftopd.loading import LoadError, load_target, load_tokenizer
+    from draftopd.serve.server import open_session
+    from draftopd.serve.settings import ServeSettings
+
+    for kind, k in (("eagle3", 4), ("dflash", 7)):
+        s = ServeSettings(drafter=f"init:{kind}", num_draft_tokens=k, run_dir=str(tmp_path / kind), learning=True)
+        session, path = open_session(s)
+        assert session.version == 0 and session.kind == kind
+        found, raw = read_raw(path)
+        target = load_target("toy", family(found).target_layers(raw) or None)
+        drafter = load_drafter(path, target)
+        assert family(found).speculative_config(path, k)["num_speculative_tokens"] == k
+        if kind == "eagle3":
+            assert raw["draft_vocab_size"] == target.vocab_size
+        else:
+            assert raw["block_size"] == k + 1
+            assert raw["dflash_config"]["mask_token_id"] == load_tokenizer("toy").convert_tokens_to_ids("<|mask|>")
+        assert sum(p.numel() for p in drafter.parameters() if p.requires_grad) > 0
+    with pytest.raises(LoadError, match="init:eagle3, init:dflash"):
+        open_session(ServeSettings(drafter="init:pard", run_dir=str(tmp_path / "pard")))
+
+
 def _noisy_drafter(path: Path, scale: float, seed: int = 0) -> str:
     """A copy of the shipped drafter with Gaussian noise on every float weight: a worse drafter of the same shape."""
     from draftopd.drafters import read_raw, read_tensors, write_checkpoint

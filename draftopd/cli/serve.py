@@ -23,7 +23,12 @@ def register(sub) -> None:
         "required).",
     )
     p.add_argument("--target", default="toy", help="the target model's directory (`toy`: the shipped toy target)")
-    p.add_argument("--drafter", default="toy", help=f"a drafter directory, or {SHIPPED}")
+    p.add_argument(
+        "--drafter",
+        default="toy",
+        help=f"a drafter directory, {SHIPPED}, or init:eagle3 / init:dflash (day 0: a fresh drafter built from the "
+        "target's shapes alone, to learn from the traffic)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback: --api-key is required")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default="", help="bearer token for /v1/* and /draftopd/* (or DRAFTOPD_API_KEY)")
@@ -69,6 +74,15 @@ def register(sub) -> None:
         default=0,
         help="a fleet on Ray: this many stock vLLM replicas behind draftopd's router, the learner in an actor of "
         "its own (0, the default: one process, vLLM's server with the learner beside it); needs --api-key",
+    )
+    p.add_argument(
+        "--attach",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="a fleet over vLLM servers someone else runs (their URLs; they take --api-key, run vLLM's weight-update"
+        " routes with VLLM_SERVER_DEV_MODE=1 and draftopd's weight transfer: docs/serving.md): learns from their "
+        "traffic and pushes to them; never starts, stops or restarts them",
     )
     p.add_argument(
         "--learner-device",
@@ -130,7 +144,7 @@ def cmd_serve(args) -> int:
     if why:
         print(f"draftopd serve: error: {why}", file=sys.stderr)
         return 2
-    if args.replicas > 0:
+    if args.replicas > 0 or args.attach:
         return _fleet(args, settings)
     from draftopd.serve.server import serve
 
@@ -139,14 +153,21 @@ def cmd_serve(args) -> int:
 
 def _fleet(args, settings) -> int:
     if not settings.api_key:
-        print("draftopd serve: error: --replicas needs an API key (--api-key or DRAFTOPD_API_KEY)", file=sys.stderr)
+        print(
+            "draftopd serve: error: a fleet (--replicas, --attach) needs an API key (--api-key or DRAFTOPD_API_KEY)",
+            file=sys.stderr,
+        )
         return 2
     if settings.record != "stock":
         print("draftopd serve: error: a fleet records from the responses: --record stock", file=sys.stderr)
         return 2
     from draftopd.serve.fleet import FleetSettings, serve_fleet
 
-    serve_fleet(settings, FleetSettings(args.replicas, args.learner_device, learning=settings.learning))
+    if args.attach and args.replicas:
+        print("draftopd serve: error: --attach or --replicas, not both", file=sys.stderr)
+        return 2
+    fs = FleetSettings(args.replicas, args.learner_device, learning=settings.learning, attach=list(args.attach))
+    serve_fleet(settings, fs)
     return 0
 
 

@@ -44,6 +44,7 @@ class FleetSettings:
     watch_s: float = 2.0  # how often replicas' health and missed pushes are checked
     ready_timeout_s: float = 600.0
     env: dict = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})  # vLLM's environment on each replica
+    attach: list[str] = field(default_factory=list)  # URLs of vLLM servers someone else runs: the replicas instead
 
 
 class Fleet:
@@ -80,13 +81,14 @@ class Fleet:
         config = uvicorn.Config(self.router.app(), host=self.s.host, port=self.s.port, log_level="warning")
         self._server = server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())
-        for i in range(self.fs.replicas):
+        count = len(self.fs.attach) or self.fs.replicas
+        for i in range(count):
             self.replicas[i] = self._place_replica(i)
-        await asyncio.gather(*(self._bring_up(i) for i in range(self.fs.replicas)))
+        await asyncio.gather(*(self._bring_up(i) for i in range(count)))
         tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._watch())]
         if self.fs.learning:
             tasks.append(asyncio.create_task(self._learn()))
-        log.warning("draftopd fleet: %d replicas serving drafter version %d", self.fs.replicas, self.version)
+        log.warning("draftopd fleet: %d replicas serving drafter version %d", count, self.version)
         if started is not None:
             started.set()
         try:
@@ -117,10 +119,12 @@ class Fleet:
     def _place_replica(self, i: int):
         import ray
 
-        from draftopd.serve.replica import Replica, ReplicaSpec
+        from draftopd.serve.replica import AttachedReplica, Replica, ReplicaSpec
 
         local = ServeSettings(**{**self.s.__dict__, "dtype": serving_dtype(self.s)})
         spec = ReplicaSpec(local, self.target_dir, self.kind, dict(self.fs.env))
+        if self.fs.attach:  # someone else's server: an actor of no CPUs that only calls it
+            return ray.remote(AttachedReplica).options(num_cpus=0, max_restarts=0).remote(spec, i, self.fs.attach[i])
         actor = ray.remote(Replica).options(num_cpus=self.fs.replica_cpus, max_restarts=0)
         logs = Path(self.s.run_dir) / "replicas" / f"replica-{i}.log"
         return actor.remote(spec, i, str(logs))
@@ -133,9 +137,12 @@ class Fleet:
         version = self.version
         self.router.hold(i, "starting", f"vLLM starting at version {version}")
         url = await self.replicas[i].start.remote(str(version_path(self.store, version)), version)
+        self.router.join(i, url, version)
         seconds = await self.replicas[i].wait_ready.remote(self.fs.ready_timeout_s)
-        self.pids[f"replica-{i}"] = await self.replicas[i].pid.remote()
-        if version != self.version:  # a promotion landed while it started
+        pid = await self.replicas[i].pid.remote()
+        if pid is not None:
+            self.pids[f"replica-{i}"] = pid
+        if self.fs.attach or version != self.version:  # someone else's server, or a promotion landed meanwhile
             await self._push_one(i, url, self.version)
             return
         self.router.admit(i, url, version)
@@ -178,7 +185,11 @@ class Fleet:
                     alive = await asyncio.wait_for(self.replicas[i].alive.remote(), 30)
                 except Exception:
                     alive = False
-                if not alive:
+                if not alive and self.fs.attach:  # not ours to restart: out until it answers, then re-synced
+                    if m.state != "down":
+                        self._mark(i, -1, "down")
+                        self.router.hold(i, "down", "not answering /health")
+                elif not alive:
                     self._mark(i, -1, "down")
                     self.router.hold(i, "starting", "restarting: vLLM's process ended")
                     asyncio.create_task(self._restart(i))

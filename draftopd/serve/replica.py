@@ -12,8 +12,11 @@ them; clients reach it through the fleet's router.
 
 A push is the offline engine's (vllm_backend/push.py) over HTTP: pause (requests in flight frozen), vLLM's three
 weight-update calls naming one safetensors file in shared memory, the version label, resume, then a fresh prefix
-cache (retried: vLLM refuses while requests hold blocks). A plain class: `ReplicaActor` (serve/fleet_actors.py)
-is its thin Ray wrapper, and a test drives it directly.
+cache (retried: vLLM refuses while requests hold blocks). A plain class: the fleet runs it as a Ray actor
+(`ray.remote(Replica)`).
+
+`AttachedReplica` is a replica someone else runs (`draftopd serve --attach URL ...`: a Kubernetes deployment, a
+server started by hand): the same calls at a given URL, with no process to start, stop or restart.
 """
 
 from __future__ import annotations
@@ -193,6 +196,47 @@ class Replica:
             return json.loads(raw) if raw else {}
         except ValueError:
             return {}
+
+
+class AttachedReplica(Replica):
+    """A vLLM server the fleet does not own, at `url`: it is pushed to and labelled like the fleet's own (so it
+    must run with vLLM's weight-update routes and the weight-transfer engine the fleet pushes through: the CPU
+    one reaches servers on the fleet's host only), and it is never started, stopped or restarted from here. One
+    that stops answering is held out of rotation until it answers again and is re-synced."""
+
+    def __init__(self, spec: ReplicaSpec, index: int, url: str):
+        super().__init__(spec, index, "")
+        self.url = url.rstrip("/")
+
+    def start(self, drafter_dir: str, version: int) -> str:
+        return self.url  # running already; the fleet pushes the serving version to it before admitting it
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        t0 = time.monotonic()
+        while not self.alive():
+            if time.monotonic() - t0 > timeout_s:
+                raise ReplicaError(f"replica {self.index}: {self.url} did not answer /health in {timeout_s:.0f} s")
+            time.sleep(1.0)
+        return time.monotonic() - t0
+
+    def alive(self) -> bool:
+        try:
+            self._call("GET", "/health", timeout=5)
+            return True
+        except ReplicaError:
+            return False
+
+    def pid(self) -> int | None:
+        return None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        pass  # not ours
+
+    def kill(self) -> None:
+        pass
+
+    def tail(self, lines: int = 12) -> str:
+        return ""
 
 
 def free_port() -> int:

@@ -84,6 +84,12 @@ class FleetRouter:
 
     # -- membership, from the fleet ----------------------------------------------------------------------
 
+    def join(self, index: int, url: str, version: int) -> None:
+        """Replica `index` at `url` is known, not yet in rotation (it starts, or is synced first)."""
+        m = self.members.get(index)
+        if m is None or m.url != url:
+            self.members[index] = Member(index, url, version)
+
     def admit(self, index: int, url: str, version: int) -> None:
         """Replica `index` at `url` serves `version`: into rotation."""
         m = self.members.get(index)

@@ -48,7 +48,7 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
     store = VersionStore(run, keep=s.keep_versions)
     version, history = resume_point(run, store)
     if version is None:  # a new run: the given drafter is version 0
-        src = resolve_drafter_path(s.drafter)
+        src = day0_drafter(s, run / "day0") if s.drafter.startswith("init:") else resolve_drafter_path(s.drafter)
         store.save(StoredDrafter.read(src), 0, {"source": str(Path(src).resolve())})
         version, history = 0, [0]
     else:
@@ -67,6 +67,37 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
         run / "traffic", s.buffer_capacity, keep_text=s.keep_text, seed=s.seed, retention_s=s.retention_s or 0.0
     )
     return ServeSession(s, kind, spec["method"], store, buffer, version, history), str(path)
+
+
+DAY0_FAMILIES = ("eagle3", "dflash")
+
+
+def day0_drafter(s: ServeSettings, out: Path) -> str:
+    """`--drafter init:FAMILY`: a drafter of FAMILY built from the target's shapes alone, no data (day 0): the
+    family's defaults (DrafterConfig), the target's layers `s.aux_layer_ids` (else its defaults), EAGLE-3 over the
+    whole target vocabulary (there is no traffic yet to choose a draft vocabulary from), DFlash with blocks of
+    `num_draft_tokens` + 1 and the tokenizer's mask token. Seeded by `s.seed`; written to `out`."""
+    import torch
+
+    from draftopd.drafters import new_drafter, save_drafter
+    from draftopd.loading import LoadError, load_target, load_tokenizer
+    from draftopd.schema import DrafterConfig
+
+    kind = s.drafter.split(":", 1)[1]
+    if kind not in DAY0_FAMILIES:
+        raise LoadError(f"--drafter {s.drafter}: a day-0 drafter is one of init:{', init:'.join(DAY0_FAMILIES)}")
+    target = load_target(s.target, s.aux_layer_ids or None, serving_dtype(s))
+    cfg = DrafterConfig(kind=kind)
+    if kind == "dflash":
+        tok = load_tokenizer(s.target)
+        mask = tok.mask_token_id if tok.mask_token_id is not None else tok.convert_tokens_to_ids("<|mask|>")
+        if mask is None or mask == tok.unk_token_id:
+            raise LoadError(f"--drafter {s.drafter}: the target's tokenizer has no mask token for DFlash's blocks")
+        cfg.mask_token_id, cfg.block_size = int(mask), s.num_draft_tokens + 1
+    torch.manual_seed(s.seed)
+    drafter = new_drafter(cfg, target, torch.arange(target.vocab_size))
+    log.warning("draftopd serve: day 0, a fresh %s drafter from the target's shapes alone (%s)", kind, out)
+    return str(save_drafter(drafter, out))
 
 
 def resume_point(run: Path, store) -> tuple[int | None, list[int]]:

@@ -12,6 +12,10 @@ promotions and rejections. The headline is the final window's tau, learning on o
 95% t-interval over seeds. Every response is checked against the target alone at T = 0 (`lossless_failures`),
 across swaps.
 
+Day 0 (`--drafter init:FAMILY --control-drafter FAMILY`): the learning arm starts from a fresh drafter and the
+control serves the family's SFT drafter without learning, so on/off is the day-0 drafter's live tau as a
+fraction of the shipped one's on the same traffic.
+
 The arms' order alternates with the seed (on first for even seeds), so a slow drift of the machine's load does
 not favour one arm.
 """
@@ -50,11 +54,13 @@ class AdaptSettings:
     server_args: list[str] = field(default_factory=list)  # more `draftopd serve` flags, both arms
     settle_s: float = 0.2  # pause before reading counters after a window (the last step's stats to land)
     replicas: int = 2  # a fleet of this many vLLM replicas and a learner of its own; 0: the one-process server
+    control: str = ""  # the learning-off arm's drafter ("": the same as the learning arm's); day 0: the shipped SFT
 
 
 def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, out: Path, reference) -> dict:
     """One server, the seed's traffic in windows; the curve, the final status and the lossless check."""
-    args = serve_args(s.target, s.drafter, s.num_draft_tokens, arm, s.learner, s.server_args, s.replicas)
+    drafter = s.control if arm == "off" and s.control else s.drafter
+    args = serve_args(s.target, drafter, s.num_draft_tokens, arm, s.learner, s.server_args, s.replicas)
     with ServerProcess(out / f"seed{seed}-{arm}", args) as server:
         client = ChatClient(server.url, s.max_tokens, thinking(s.shift), server.api_key)
         replies, curve = [], []
@@ -155,7 +161,9 @@ def table(report: dict) -> str:
     s = report["settings"]
     where = f"a fleet of {s['replicas']} replicas" if s.get("replicas") else "one process"
     lines = [
-        f"serve-adapt ({where}, drafter {s['drafter']}): {s['num_requests']} requests per arm ({s['shift']}, "
+        f"serve-adapt ({where}, drafter {s['drafter']}"
+        + (f", control arm's {s['control']}" if s.get("control") else "")
+        + f"): {s['num_requests']} requests per arm ({s['shift']}, "
         f"{s['domain'] or 'all domains'}), windows of {s['window']}, {s['concurrency']} clients, "
         f"K={s['num_draft_tokens']}, seeds {s['seeds']}"
     ]

@@ -217,6 +217,12 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=at_least_one, default=40, help="requests between two readings of live tau")
     p.add_argument("--domain", choices=["arithmetic", "code"], default=None, help="one toy domain only")
     p.add_argument("--rate", type=float, default=2.0, help="requests per second at most (0: as fast as served)")
+    p.add_argument(
+        "--control-drafter",
+        default="",
+        help="the learning-off arm's drafter (as --drafter; default: the same). Day 0: --drafter init:eagle3 "
+        "--control-drafter eagle3",
+    )
 
 
 def _serve_load_args(p: argparse.ArgumentParser) -> None:
@@ -518,14 +524,16 @@ def _serve_traffic(args, n: int):
     return reference, traffic
 
 
-def _serve_drafter(args) -> tuple[str, int]:
-    """The serving benches' drafter and K: a family name resolves to its SFT drafter (trained once)."""
+def _serve_drafter(args, name: str | None = None) -> tuple[str, int]:
+    """The serving benches' drafter and K: a family name resolves to its SFT drafter (trained once); init:FAMILY
+    (day 0) takes the family's K."""
     from draftopd.bench.family_drafters import FAMILY_SFT, family_drafter
 
-    if args.drafter in FAMILY_SFT:
-        drafter, k = family_drafter(args.drafter, args.target, Path(args.out))
+    name = name or args.drafter
+    if name in FAMILY_SFT:
+        drafter, k = family_drafter(name, args.target, Path(args.out))
     else:
-        drafter, k = args.drafter, 4
+        drafter, k = name, FAMILY_SFT.get(name.partition("init:")[2], (None, [], 4))[2]
     return drafter, args.num_draft_tokens or k
 
 
@@ -533,6 +541,7 @@ def _bench_serve_adapt(args) -> None:
     from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, mlflow_rows, run_adapt, table
 
     drafter, k = _serve_drafter(args)
+    control = _serve_drafter(args, args.control_drafter)[0] if args.control_drafter else ""
     s = AdaptSettings(
         target=args.target,
         drafter=drafter,
@@ -548,6 +557,7 @@ def _bench_serve_adapt(args) -> None:
         learner=args.learner,
         server_args=args.server_arg,
         replicas=args.replicas,
+        control=control,
     )
     reference, traffic = _serve_traffic(args, s.num_requests)
     out = Path(args.out)

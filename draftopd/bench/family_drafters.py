@@ -26,6 +26,12 @@ FAMILY_SFT = {
 }
 
 
+def family_k(name: str, default: int = 4) -> int:
+    """K served for a family name (`init:FAMILY` too, day 0); `default` for anything else."""
+    found = FAMILY_SFT.get(name.removeprefix("init:"))
+    return found[2] if found else default
+
+
 def recipes_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "recipes"
 

@@ -170,6 +170,8 @@ class ServerProcess:
         self.args, self.ready_timeout_s = list(args), ready_timeout_s
         self.fleet = "--replicas" in self.args
         self.api_key = secrets.token_hex(16) if self.fleet else "none"
+        self._pids: dict[str, int] = {}  # a fleet's roles' processes, read from its status every 10 s
+        self._pids_at = float("-inf")
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.ready_s = float("nan")
@@ -245,7 +247,7 @@ class ServerProcess:
             return {"server": self.rss()}
         import psutil
 
-        if time.monotonic() - getattr(self, "_pids_at", -1e9) > 10:  # a restarted replica has a new pid
+        if time.monotonic() - self._pids_at > 10:  # a restarted replica has a new pid
             self._pids, self._pids_at = self.status().get("pids", {}), time.monotonic()
         out = {}
         for role, pid in self._pids.items():

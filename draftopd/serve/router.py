@@ -92,9 +92,8 @@ class FleetRouter:
 
     def admit(self, index: int, url: str, version: int) -> None:
         """Replica `index` at `url` serves `version`: into rotation."""
-        m = self.members.get(index)
-        if m is None or m.url != url:
-            m = self.members[index] = Member(index, url, version)
+        self.join(index, url, version)
+        m = self.members[index]
         m.version, m.in_rotation, m.state, m.why = version, True, "serving", ""
 
     def hold(self, index: int, state: str, why: str = "") -> None:

@@ -142,15 +142,15 @@ def _flags(argv: list[str], capsys) -> set[str]:
 def test_each_bench_lists_only_its_own_flags(capsys):
     # the two serving benches share their server's and traffic's flags; their --learner is the server's learner
     # overrides, as opd-vs-sft's is its learner's
-    serving = {"--concurrency", "--shift", "--server-arg", "--learner"}
+    serving = {"--concurrency", "--shift", "--server-arg", "--learner", "--replicas"}
     own = {
         "opd-vs-sft": {"--arms", "--learner", "--eval-ks", "--rollout-temperature"},
         "sft-plateau": {"--num-anchors"},
         "engines": {"--prompt-lookup-tokens", "--vllm-python"},
         "rollout": set(),
         "families": {"--drafters", "--pairs", "--no-naive-resample"},
-        "serve-adapt": serving | {"--num-requests", "--window", "--domain", "--rate"},
-        "serve-load": serving | {"--duration-s", "--num-prompts"},
+        "serve-adapt": serving | {"--num-requests", "--window", "--domain", "--rate", "--control-drafter"},
+        "serve-load": serving | {"--duration-s", "--num-prompts", "--learning-arms"},
     }
     every = set().union(*own.values())
     for bench, mine in own.items():

@@ -231,7 +231,9 @@ def _serve_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt draw")
     p.add_argument("--duration-s", type=float, default=300.0, help="seconds of load per arm")
     p.add_argument("--num-prompts", type=at_least_one, default=64, help="distinct prompts, cycled")
-    p.add_argument("--arms", nargs="+", choices=["on", "off"], default=["on", "off"], help="learning arms, in order")
+    p.add_argument(
+        "--learning-arms", nargs="+", choices=["on", "off"], default=["on", "off"], help="learning arms, in order"
+    )
 
 
 def _held_out_sets(tokenizer, items, n: int, seed: int) -> dict:
@@ -527,14 +529,11 @@ def _serve_traffic(args, n: int):
 def _serve_drafter(args, name: str | None = None) -> tuple[str, int]:
     """The serving benches' drafter and K: a family name resolves to its SFT drafter (trained once); init:FAMILY
     (day 0) takes the family's K."""
-    from draftopd.bench.family_drafters import FAMILY_SFT, family_drafter
+    from draftopd.bench.family_drafters import FAMILY_SFT, family_drafter, family_k
 
     name = name or args.drafter
-    if name in FAMILY_SFT:
-        drafter, k = family_drafter(name, args.target, Path(args.out))
-    else:
-        drafter, k = name, FAMILY_SFT.get(name.partition("init:")[2], (None, [], 4))[2]
-    return drafter, args.num_draft_tokens or k
+    drafter = family_drafter(name, args.target, Path(args.out))[0] if name in FAMILY_SFT else name
+    return drafter, args.num_draft_tokens or family_k(name)
 
 
 def _bench_serve_adapt(args) -> None:
@@ -587,7 +586,7 @@ def _bench_serve_load(args) -> None:
         learner=args.learner,
         server_args=args.server_arg,
         replicas=args.replicas,
-        arms=tuple(args.arms),
+        arms=tuple(args.learning_arms),
     )
     reference, traffic = _serve_traffic(args, s.num_prompts)
     chats, expected = traffic(s.seed)

@@ -79,7 +79,7 @@ def day0_drafter(s: ServeSettings, out: Path) -> str:
     `num_draft_tokens` + 1 and the tokenizer's mask token. Seeded by `s.seed`; written to `out`."""
     import torch
 
-    from draftopd.drafters import new_drafter, save_drafter
+    from draftopd.drafters import family, new_drafter, save_drafter
     from draftopd.loading import LoadError, load_target, load_tokenizer
     from draftopd.schema import DrafterConfig
 
@@ -88,11 +88,11 @@ def day0_drafter(s: ServeSettings, out: Path) -> str:
         raise LoadError(f"--drafter {s.drafter}: a day-0 drafter is one of init:{', init:'.join(DAY0_FAMILIES)}")
     target = load_target(s.target, s.aux_layer_ids or None, serving_dtype(s))
     cfg = DrafterConfig(kind=kind)
-    if kind == "dflash":
+    if family(kind).max_drafts(cfg) is not None:  # a block family: K masks after the anchor
         tok = load_tokenizer(s.target)
         mask = tok.mask_token_id if tok.mask_token_id is not None else tok.convert_tokens_to_ids("<|mask|>")
         if mask is None or mask == tok.unk_token_id:
-            raise LoadError(f"--drafter {s.drafter}: the target's tokenizer has no mask token for DFlash's blocks")
+            raise LoadError(f"--drafter {s.drafter}: the target's tokenizer has no mask token for the drafter's blocks")
         cfg.mask_token_id, cfg.block_size = int(mask), s.num_draft_tokens + 1
     torch.manual_seed(s.seed)
     drafter = new_drafter(cfg, target, torch.arange(target.vocab_size))

@@ -247,6 +247,9 @@ def _stream_ids(stream, got: list[int], until: int | None = None) -> None:
             return
 
 
+LONG = 1500  # a stream long enough to be cut (400 tokens could finish before the kill on a loaded machine)
+
+
 def test_a_stream_cut_by_a_killed_replica_fails_cleanly(fleet, toy):
     """Replica 1 is killed while it streams: the client raises, after tokens that are the target's own; the
     replica comes back at the serving version."""
@@ -257,20 +260,21 @@ def test_a_stream_cut_by_a_killed_replica_fails_cleanly(fleet, toy):
     other = f.router.members[0]
     loop.call_soon_threadsafe(f.router.hold, 0, "syncing", "test: the stream goes to replica 1")
     _wait(lambda: not f.router.members[0].in_rotation, 10, "replica 0 held")
+    pid = ray.get(f.replicas[1].pid.remote())  # before the stream: nothing but the kill between its tokens
     try:
         extra = {"ignore_eos": True, "return_token_ids": True}
         stream = client.completions.create(
-            model="toy", prompt=p, max_tokens=400, temperature=0.0, stream=True, extra_body=extra
+            model="toy", prompt=p, max_tokens=LONG, temperature=0.0, stream=True, extra_body=extra
         )
         got: list[int] = []
         _stream_ids(stream, got, until=4)  # a few tokens out before the kill
-        os.killpg(ray.get(f.replicas[1].pid.remote()), signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
         with pytest.raises(openai.APIError, match="the replica serving this stream failed"):
             _stream_ids(stream, got)
     finally:
         loop.call_soon_threadsafe(f.router.admit, 0, other.url, other.version)
-    alone = SpeculativeEngine(toy["target"], None, []).generate([list(p)], SamplingConfig(max_new_tokens=400))
-    assert 4 <= len(got) < 400 and got == alone[0].output_ids[: len(got)]  # cut short, right as far as it went
+    alone = SpeculativeEngine(toy["target"], None, []).generate([list(p)], SamplingConfig(max_new_tokens=LONG))
+    assert 4 <= len(got) < LONG and got == alone[0].output_ids[: len(got)]  # cut short, right as far as it went
     assert _status(url)["requests"]["stream_failed"] == 1
     assert _ids(client, p)[0] == _alone(toy, p)  # replica 0 serves meanwhile
     _wait(lambda: f.router.members[1].in_rotation, 300, "the restarted replica")

@@ -187,6 +187,32 @@ def test_records_reach_the_learner_and_the_status_lists_every_replica(fleet, toy
     assert st["learner"]["added"] >= 30 and st["learner"]["state"] == "learning on cpu"
 
 
+def test_an_operators_drafter_vetted_while_the_learner_steps_gets_the_verdict_it_gets_alone(fleet):
+    """The guard runs in the learner's process, one call at a time, so no model object is shared between threads:
+    an operator's drafter vetted while the learner steps on the traffic gets the same verdict as when vetted alone
+    (the learner's version read before and after: a promotion in between would change the incumbent)."""
+    import ray
+
+    from draftopd.serve.session import StoredDrafter, version_path
+
+    f, _, _ = fleet
+    stored = StoredDrafter.read(version_path(f.store, 0))
+    state = {k: v * 0.97 if v.is_floating_point() else v for k, v in stored.state().items()}
+    for _ in range(3):
+        before = ray.get(f.learner.counters.remote())
+        alone = ray.get(f.learner.vet.remote(stored.config(), state))
+        stepping = f.learner.work.remote(4.0)  # queued beside the fleet's own learning calls
+        during = f.learner.vet.remote(stored.config(), state)
+        after = ray.get(f.learner.counters.remote())
+        ray.get(stepping)
+        if after["version"] == before["version"]:
+            break
+    assert after["version"] == before["version"], "a promotion landed in every try"
+    assert after["steps"] > before["steps"]  # the learner stepped between the two vets
+    timeless = lambda v: {k: x for k, x in v.items() if k != "seconds"}  # noqa: E731
+    assert timeless(ray.get(during)) == timeless(alone) and alone["n"] >= 8
+
+
 def test_a_promotion_reaches_every_replica_and_a_rollback_is_fleet_wide(fleet, toy):
     from draftopd.serve.session import StoredDrafter, version_path
 

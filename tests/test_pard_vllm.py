@@ -151,6 +151,7 @@ def test_a_pushed_pard_drafter_decodes_as_the_native_engine_with_it(served, tmp_
     weights (T=0, step for step) and the records carry the pushed version; then back to the first drafter."""
     from draftopd.cli import main
     from draftopd.drafters import read_tensors
+    from draftopd.serve.fleet import served_form
 
     engine, target, drafter, eos, prompts, root = served
     other = _perturbed(drafter)
@@ -161,6 +162,10 @@ def test_a_pushed_pard_drafter_decodes_as_the_native_engine_with_it(served, tmp_
             == 0
         )
         assert engine.load_drafter_state(read_tensors(out), version) == version
+        if name == "other":  # what the fleet pushes from its learner, which trains the drafter with target_proj
+            _, state = served_form("pard", d.config(), d.state(), 4)
+            assert "target_proj.weight" in d.state() and "target_proj.weight" not in state
+            assert engine.load_drafter_state(state, version) == version
         served_trajs = engine.generate(prompts, GREEDY)
         assert all(t.policy_version == version for t in served_trajs)
         native = SpeculativeEngine(target, d, eos).generate(prompts, GREEDY)

@@ -29,6 +29,14 @@ from draftopd.serve.settings import ServeSettings, serving_dtype
 log = logging.getLogger(__name__)
 
 
+def served_form(kind: str, config: dict, state: dict, num_draft_tokens: int) -> tuple[dict, dict]:
+    """A learner's drafter as vLLM serves it: the family's vLLM export (PARD's drops `target_proj`, which the
+    target-independent model vLLM runs has no parameter for), so pushes load and stored versions restart."""
+    from draftopd.drafters import family
+
+    return family(kind).export(config, state, "vllm", num_draft_tokens=num_draft_tokens)
+
+
 @dataclass
 class FleetSettings:
     """What a fleet adds to one server's settings."""
@@ -225,6 +233,7 @@ class Fleet:
 
         from draftopd.serve.session import StoredDrafter
 
+        config, state = served_form(self.kind, config, state, self.s.num_draft_tokens)
         async with self._swap:
             version = max(v for v, _ in self.store.list()) + 1
             await asyncio.to_thread(self.store.save, StoredDrafter(config, state), version, evidence)

@@ -107,6 +107,23 @@ def test_the_lossless_check_finds_a_changed_token_and_where():
     assert lossless_check(good, ref, {0: prompts[1]})["prompts_rendered_otherwise"] == 1
 
 
+def test_day0_milestones_read_the_window_that_first_reaches_each_count():
+    from draftopd.bench.serve_adapt import milestones
+
+    def curve(taus):  # windows of 250 requests
+        return [{"requests": 250 * (i + 1), "tau": t} for i, t in enumerate(taus)]
+
+    seeds = {
+        s: {"on": {"curve": curve([1.0, 1.5, 2.0, 2.2, 2.4, 2.5, 2.6, 2.8 + s / 10])}, "off": {"curve": curve([2] * 8)}}
+        for s in (0, 1, 2)
+    }
+    m = milestones(seeds)
+    assert m["500"]["per_seed"] == [0.75] * 3 and m["1000"]["per_seed"] == [1.1] * 3
+    assert m["2000"]["per_seed"] == pytest.approx([1.4, 1.45, 1.5]) and m["2000"]["ci95"][0] < 1.45
+    short = {s: {a: {"curve": r[a]["curve"][:4]} for a in ("on", "off")} for s, r in seeds.items()}
+    assert set(milestones(short)) == {"500", "1000"}  # 2,000 requests were never served
+
+
 def _bench(args: list[str], out) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "draftopd.cli", "bench", *args, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

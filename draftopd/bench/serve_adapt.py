@@ -154,7 +154,27 @@ def summarise(seeds: dict, s: AdaptSettings) -> dict:
         "lossless_failures": sum(a["lossless"]["failures"] for a in arms),
         "lossless_diffs": diffs[:5],
         "prompts_rendered_otherwise": sum(a["lossless"]["prompts_rendered_otherwise"] for a in arms),
+        "milestones": milestones(seeds),
     }
+
+
+MILESTONES = (500, 1000, 2000)
+
+
+def milestones(seeds: dict) -> dict:
+    """On over off at the window that ends at (or first passes) each of MILESTONES requests served, per seed and
+    with its 95% t-interval over seeds: day 0's reading of "how close to the shipped drafter, how soon"."""
+    out = {}
+    for n in MILESTONES:
+        ratios = []
+        for r in seeds.values():
+            on, off = ([p for p in r[a]["curve"] if p["requests"] >= n][:1] for a in ARMS)
+            if on and off and off[0]["tau"] > 0:
+                ratios.append(on[0]["tau"] / off[0]["tau"])
+        if len(ratios) == len(seeds):
+            mean, lo, hi = t_interval(ratios)
+            out[str(n)] = {"on_over_off": mean, "ci95": [lo, hi], "per_seed": ratios}
+    return out
 
 
 def table(report: dict) -> str:
@@ -180,6 +200,9 @@ def table(report: dict) -> str:
         )
     lo, hi = report["on_over_off_ci95"]
     lines.append(f"on/off (final window's live tau): {report['on_over_off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")
+    for n, m in report.get("milestones", {}).items():
+        a, b = m["ci95"]
+        lines.append(f"on/off at {n} requests: {m['on_over_off']:.3f}, 95% CI [{a:.3f}, {b:.3f}]")
     lines.append(
         f"lossless: {report['lossless_failures']} of {report['lossless_checked']} responses differ from the "
         f"target alone; failed requests: {report['failed_requests']}"
@@ -195,7 +218,11 @@ def curve_plot(report: dict, out_png) -> None:
     fig = Figure(figsize=(9, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
     promoted = []
-    for arm, label in (("off", "learning off (control)"), ("on", "learning on")):
+    s = report["settings"]
+    names = {"off": "learning off (control)", "on": "learning on"}
+    if s.get("control"):  # day 0: the arms serve different drafters
+        names = {"off": f"{s['control']}, learning off", "on": f"{s['drafter']}, learning on"}
+    for arm, label in (("off", names["off"]), ("on", names["on"])):
         curves = [r[arm]["curve"] for r in report["seeds"].values()]
         n = min(len(c) for c in curves)
         xs = [curves[0][i]["requests"] for i in range(n)]
@@ -211,7 +238,6 @@ def curve_plot(report: dict, out_png) -> None:
         ax.plot([x], [bottom], "^", color=color, ms=6, alpha=0.7, clip_on=False)
     ax.set_xlabel("requests served")
     ax.set_ylabel("live tau per window (vLLM's counters)")
-    s = report["settings"]
     n = len(s["seeds"])
     ax.set_title(
         f"draftopd serve on shifted traffic ({s['shift']}): learning on vs off\n"

@@ -253,6 +253,44 @@ def test_learner_improves_tau_on_shifted_traffic_and_the_guard_promotes_it(toy, 
     assert learner.counters()["promotions"] == 1 and not learner.alive() and learner.errors == 0
 
 
+def test_an_operators_verdict_taken_while_the_learner_steps_is_the_one_it_gets_alone(toy, learner_target):
+    """The one-process server has one torch target, the learner's, and it records hidden states as it runs: the
+    guard of an operator's push takes the learner's model lock (as ServeSession._vet does), so its verdict taken
+    while the learner steps is the one it gets with the learner stopped."""
+    target, tok, eos, drafter = toy
+    traffic = serve(target, drafter, eos, encode_chats(tok, toy_prompts("held_out", 32, seed=4), enable_thinking=False))
+    buf = TrafficBuffer(capacity=1000, holdout_every=2)
+    buf.add(traffic)
+    held = buf.holdout(16)
+    incumbent = load_drafter(resolve_drafter_path("toy"), learner_target)
+    operators = random_drafter(incumbent, learner_target, seed=3)
+    with torch.no_grad():  # near the incumbent: a verdict with acceptance on both sides
+        for p, q in zip(operators.parameters(), incumbent.parameters()):
+            p.copy_(q + 0.05 * (p - q))
+
+    def vet():
+        v = judge(operators, incumbent, learner_target, eos, held, K, 0.02, 0.95, 64).evidence()
+        return {k: x for k, x in v.items() if k != "seconds"}
+
+    alone = vet()
+    s = LearnerSettings(steps_per_1k_tokens=1e6, min_traffic=4, candidate_every=10**6, poll_s=0.05)
+    learner = ServeLearner(learner_target, incumbent, buf, s, Log().propose, Log(), eos)
+    learner.start()
+    buf.add(traffic)  # served after start: the learner's budget
+    try:
+        assert wait_for(lambda: learner.steps >= 1, 60), learner.counters()
+        verdicts = []
+        for _ in range(3):
+            with learner.model_lock:
+                verdicts.append(vet())
+                mark = learner.steps
+            assert wait_for(lambda m=mark: learner.steps > m, 60)  # the learner steps between the verdicts
+    finally:
+        learner.stop()
+    assert learner.errors == 0 and alone["n"] == 16 and alone["tau_incumbent"] > 1.0
+    assert verdicts == [alone] * 3
+
+
 def verdict_step(log):
     return next(r["step"] for r in log.events("verdict") if r["promote"])
 

@@ -87,9 +87,9 @@ def clone_drafter(drafter, target):
 
 class ServeLearner:
     """The learner thread. `target` is the learner's own TargetModel: it records hidden states as it runs, so no
-    other thread may use it. `log(record, step)` receives dicts with an `event` key (step, verdict, error,
-    candidate_waits). `eos`: the guard's stop tokens (without them a shadow decode runs to the recorded length,
-    which at T = 0 is the same text)."""
+    other thread may run it without holding `model_lock`. `log(record, step)` receives dicts with an `event` key
+    (step, verdict, error, candidate_waits). `eos`: the guard's stop tokens (without them a shadow decode runs to
+    the recorded length, which at T = 0 is the same text)."""
 
     def __init__(
         self,
@@ -100,8 +100,12 @@ class ServeLearner:
         propose: Callable[[object, Verdict], None],
         log: Callable[[dict, int], None],
         eos: list[int] | None = None,
+        model_lock: threading.Lock | None = None,
     ):
         self.target, self.traffic, self.s = target, traffic, settings
+        # held for each step and each verdict: whoever else runs the target (the server's guard of operators'
+        # pushes) takes it too, so no two threads ever run the models at once
+        self.model_lock = model_lock or threading.Lock()
         self.propose, self.log, self.eos = propose, log, list(eos or [])
         self._incumbent = incumbent_drafter
         self._drafter = None  # the private copy, made in the thread (start() stays cheap)
@@ -198,13 +202,14 @@ class ServeLearner:
             return False
         with self._lock:
             fresh, self._reset = self._drafter is None or self._reset, False
-        if fresh:
-            self._start_copy()
-        metrics = self._step()
-        self.steps += 1
-        self._emit({"event": "step", **metrics})
-        if self.steps % self.s.candidate_every == 0:
-            self._candidate()
+        with self.model_lock:
+            if fresh:
+                self._start_copy()
+            metrics = self._step()
+            self.steps += 1
+            self._emit({"event": "step", **metrics})
+            if self.steps % self.s.candidate_every == 0:
+                self._candidate()
         return True
 
     def _start_copy(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,6 +73,7 @@ class ServeSession:
         self.last_verdict: dict = {}
         self.target_dir, self.eos = settings.target, []  # set by the server once vLLM has resolved the target
         self._native_pair = None  # (version, target, drafter) in torch, for the guard of operators' pushes
+        self.model_lock = threading.Lock()  # the learner's steps and the operators' guard take turns on the target
         self._swap = asyncio.Lock()
         self._work = ThreadPoolExecutor(1, thread_name_prefix="draftopd-records")  # conversion, buffer, disk
         self._tracking = ThreadPoolExecutor(1, thread_name_prefix="draftopd-mlflow")  # MLflow off the loop
@@ -234,11 +236,12 @@ class ServeSession:
         from draftopd.serve.guard import judge
 
         ls = self.learner_settings()
-        target, incumbent = self._native()
-        candidate = load_drafter(path, target)
-        held = self.buffer.holdout(ls.holdout_n)
-        k = ls.num_draft_tokens
-        return judge(candidate, incumbent, target, self.eos, held, k, ls.margin, ls.confidence, ls.guard_max_new_tokens)
+        with self.model_lock:  # the learner's target: its step, or this verdict, never both at once
+            target, incumbent = self._native()
+            candidate = load_drafter(path, target)
+            held = self.buffer.holdout(ls.holdout_n)
+            k, margin, limit = ls.num_draft_tokens, ls.margin, ls.guard_max_new_tokens
+            return judge(candidate, incumbent, target, self.eos, held, k, margin, ls.confidence, limit)
 
     def _native(self):
         """(target, drafter serving) as torch models in this process, for the guard: the learner's target when it
@@ -279,6 +282,7 @@ class ServeSession:
                 self.propose,
                 self.learner_log,
                 self.eos,
+                self.model_lock,
             )
             self.learner.start()
         except Exception:

@@ -124,6 +124,18 @@ def test_day0_milestones_read_the_window_that_first_reaches_each_count():
     assert set(milestones(short)) == {"500", "1000"}  # 2,000 requests were never served
 
 
+def test_the_versions_plot_draws_each_replicas_versions_and_only_for_a_fleet(tmp_path):
+    from draftopd.bench.serve_load import versions_plot
+
+    timeline = [{"time": -40.0, "replica": 0, "version": 0, "note": "ready"}]
+    timeline += [{"time": -38.5, "replica": 1, "version": 0, "note": "ready"}]
+    timeline += [{"time": t, "replica": i, "version": 1, "note": "pushed"} for t, i in ((90.2, 0), (91.0, 1))]
+    report = {"settings": {"duration_s": 300.0}, "arms": {"on": {"versions_over_time": timeline}}}
+    assert versions_plot(report, tmp_path / "v.png") and (tmp_path / "v.png").stat().st_size > 10_000
+    one_process = {"settings": {"duration_s": 300.0}, "arms": {"on": {"versions_over_time": []}, "off": {}}}
+    assert not versions_plot(one_process, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+
+
 def _bench(args: list[str], out) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "draftopd.cli", "bench", *args, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

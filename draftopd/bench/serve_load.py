@@ -108,6 +108,35 @@ def _relative(timeline: list[dict], t0: float) -> list[dict]:
     return [{**e, "time": round(e["time"] - t0, 2)} for e in timeline]
 
 
+def versions_plot(report: dict, out_png) -> bool:
+    """Every replica's drafter version against seconds since the load began, one panel per fleet arm, with the load's
+    window shaded; False (nothing written) when no arm ran a fleet."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    arms = {a: r["versions_over_time"] for a, r in report["arms"].items() if r.get("versions_over_time")}
+    if not arms:
+        return False
+    fig = Figure(figsize=(9, 2.6 * len(arms) + 0.6), dpi=100, layout="constrained")
+    axes = fig.subplots(len(arms), 1, squeeze=False)[:, 0]
+    end = report["settings"]["duration_s"]
+    for ax, (arm, events) in zip(axes, arms.items()):
+        ax.axvspan(0, end, color="0.9", label="load")
+        for i in sorted({e["replica"] for e in events}):
+            mine = [e for e in events if e["replica"] == i]
+            xs = [e["time"] for e in mine] + [max(end, mine[-1]["time"])]
+            ys = [e["version"] for e in mine] + [mine[-1]["version"]]
+            ax.step(xs, [y + 0.04 * i for y in ys], where="post", marker="o", ms=3, label=f"replica {i}")
+        ax.set_ylabel("drafter version")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"learning {arm}: each replica's version (pushes drain it first)", fontsize="medium")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left")
+    axes[-1].set_xlabel("seconds since the load began")
+    fig.savefig(out_png, format="png")
+    return True
+
+
 def run_load(chats: list, expected: dict, reference: Reference, s: LoadSettings, out: Path) -> dict:
     reference.prepare(list(expected.values()))
     arms = {arm: run_load_arm(arm, chats, expected, s, out, reference) for arm in s.arms}

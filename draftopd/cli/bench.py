@@ -570,7 +570,7 @@ def _bench_serve_adapt(args) -> None:
 
 
 def _bench_serve_load(args) -> None:
-    from draftopd.bench.serve_load import LoadSettings, run_load, table
+    from draftopd.bench.serve_load import LoadSettings, run_load, table, versions_plot
 
     drafter, k = _serve_drafter(args)
     s = LoadSettings(
@@ -595,4 +595,5 @@ def _bench_serve_load(args) -> None:
     report = run_load(chats, expected, reference, s, out)
     write_json(_report_path(args), report)
     print(table(report))
-    print(f"report in {_report_path(args)}")
+    plotted = versions_plot(report, out / "versions_over_time.png")
+    print(f"report in {_report_path(args)}" + (f"; replicas' versions plotted in {out}" if plotted else ""))

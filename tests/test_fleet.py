@@ -131,8 +131,10 @@ def _bare(d: dict) -> dict:
 
 
 def _stream_form(stream) -> tuple:
-    """A stream as a client reads it, up to where vLLM's engine steps cut it into chunks (they depend on timing):
-    the text joined, the distinct chunk fields besides the choices, the choices' fields, the last finish reason."""
+    """A stream as a client reads it, up to where vLLM's engine steps cut it into chunks (they depend on timing: on
+    a loaded machine a whole response can come as one chunk): the text joined, the last finish reason, the fields
+    besides the choices of the chunks that carry a finish reason (where stock vLLM puts its fingerprint), the
+    distinct such fields of the others, and the choices' fields."""
     chunks = [_bare(c.model_dump()) for c in stream]
     text, finish = "", None
     for c in chunks:
@@ -140,9 +142,19 @@ def _stream_form(stream) -> tuple:
             delta = choice.get("delta") or {}
             text += choice.get("text") or delta.get("content") or ""
             finish = choice.get("finish_reason") or finish
-    rest = sorted({json.dumps({k: v for k, v in c.items() if k != "choices"}, sort_keys=True) for c in chunks})
+    form = lambda c: json.dumps({k: v for k, v in c.items() if k != "choices"}, sort_keys=True)  # noqa: E731
+    ends = [c for c in chunks if any(ch.get("finish_reason") for ch in c["choices"])]
+    others = {form(c) for c in chunks if c not in ends}
     fields = sorted({tuple(sorted(ch)) for c in chunks for ch in c["choices"]})
-    return text, rest, fields, finish
+    return text, finish, [form(c) for c in ends], others, fields
+
+
+def _same_stream(routed, stock) -> None:
+    """The same stream but for where it was cut: every field equal, and each chunk without a finish reason of one
+    shaped as such a chunk of the other (fewer chunks have fewer shapes: the first and the middle ones can be one)."""
+    a, b = _stream_form(routed), _stream_form(stock)
+    assert a[:3] + a[4:] == b[:3] + b[4:]
+    assert a[3] <= b[3] or b[3] <= a[3], (a[3], b[3])
 
 
 def test_responses_are_stock_vllms_and_the_target_alones(fleet, toy):
@@ -156,18 +168,14 @@ def test_responses_are_stock_vllms_and_the_target_alones(fleet, toy):
         got = raw.parse()
         assert _bare(got.model_dump()) == _bare(direct.completions.create(**args).model_dump())
         assert _ids(client, p)[0] == _alone(toy, p)
-        routed, stock = client.completions.create(**args, stream=True), direct.completions.create(**args, stream=True)
-        assert _stream_form(routed) == _stream_form(stock)
+        _same_stream(client.completions.create(**args, stream=True), direct.completions.create(**args, stream=True))
     chat = [{"role": "user", "content": "What is 12 + 30?"}]
     args = dict(model="toy", messages=chat, max_tokens=MAX_TOKENS, temperature=0.0)
     assert _bare(client.chat.completions.create(**args).model_dump()) == _bare(
         direct.chat.completions.create(**args).model_dump()
     )
-    routed, stock = (
-        client.chat.completions.create(**args, stream=True),
-        direct.chat.completions.create(**args, stream=True),
-    )
-    assert _stream_form(routed) == _stream_form(stock)
+    routed = client.chat.completions.create(**args, stream=True)
+    _same_stream(routed, direct.chat.completions.create(**args, stream=True))
     assert _post(url, "/draftopd/rollback", {})[0] == 409  # nothing before version 0
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(**args)
@@ -259,21 +267,6 @@ def test_a_push_that_times_out_holds_the_replica_out_until_it_is_resynced(fleet,
     assert _versions(f) == [str(version)] * 2
 
 
-def test_a_killed_replica_is_served_around_and_restarted_at_the_serving_version(fleet, toy):
-    import ray
-
-    f, _, url = fleet
-    client = _client(url)
-    prompts = encode_chats(toy["tok"], toy_prompts("held_out", 4))
-    pid = ray.get(f.replicas[0].pid.remote())
-    os.killpg(pid, signal.SIGKILL)  # vLLM's server and its engine core, at once
-    for p in prompts:  # non-streamed: a request that meets the dead replica is sent to the other
-        assert _ids(client, p)[0] == _alone(toy, p)
-    _wait(lambda: f.router.members[0].in_rotation, 300, "the restarted replica")
-    assert _versions(f) == [str(f.version)] * 2
-    assert any(e["replica"] == 0 and e["version"] == -1 for e in f.timeline)
-
-
 def _stream_ids(stream, got: list[int], until: int | None = None) -> None:
     for chunk in stream:
         got += ((chunk.choices[0].model_extra or {}).get("token_ids") or []) if chunk.choices else []
@@ -281,38 +274,65 @@ def _stream_ids(stream, got: list[int], until: int | None = None) -> None:
             return
 
 
-LONG = 1500  # a stream long enough to be cut (400 tokens could finish before the kill on a loaded machine)
+LONG, UNARY = 1500, 400  # the stream must outlast the few tokens read before replica 1 is frozen
 
 
-def test_a_stream_cut_by_a_killed_replica_fails_cleanly(fleet, toy):
-    """Replica 1 is killed while it streams: the client raises, after tokens that are the target's own; the
-    replica comes back at the serving version."""
+def test_a_killed_replica_fails_its_stream_cleanly_retries_the_rest_and_comes_back_at_the_serving_version(fleet, toy):
+    """Replica 1 is killed (vLLM's server and its engine core, at once) while it streams one request and answers
+    another: the client of the stream raises, after tokens that are the target's own; the non-streamed request is
+    sent to replica 0 and answered with the target's text; replica 1 comes back at the serving version. One kill
+    for both: each restart is a vLLM start.
+
+    Replica 1 is frozen (SIGSTOP) once the stream's first tokens are out and before the non-streamed request is
+    sent, so both are in flight at the kill on every machine, however fast: neither can finish while frozen."""
     import ray
 
     f, loop, url = fleet
     client, p = _client(url), encode_chats(toy["tok"], toy_prompts("held_out", 5))[4]
+    before = _status(url)["requests"]
     other = f.router.members[0]
-    loop.call_soon_threadsafe(f.router.hold, 0, "syncing", "test: the stream goes to replica 1")
+    loop.call_soon_threadsafe(f.router.hold, 0, "syncing", "test: both requests go to replica 1")
     _wait(lambda: not f.router.members[0].in_rotation, 10, "replica 0 held")
-    pid = ray.get(f.replicas[1].pid.remote())  # before the stream: nothing but the kill between its tokens
+    pid = ray.get(f.replicas[1].pid.remote())  # before the requests: nothing but the kill between their tokens
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    answered: dict = {}
+
+    def unary():
+        try:
+            answered["ok"] = client.completions.create(
+                model="toy", prompt=p, max_tokens=UNARY, temperature=0.0, extra_body=extra
+            )
+        except Exception as exc:  # reported below
+            answered["error"] = exc
+
+    sender = threading.Thread(target=unary, daemon=True)
     try:
-        extra = {"ignore_eos": True, "return_token_ids": True}
         stream = client.completions.create(
             model="toy", prompt=p, max_tokens=LONG, temperature=0.0, stream=True, extra_body=extra
         )
         got: list[int] = []
         _stream_ids(stream, got, until=4)  # a few tokens out before the kill
+        os.killpg(pid, signal.SIGSTOP)
+        sender.start()
+        _wait(lambda: f.router.members[1].inflight == 2, 60, "the non-streamed request sent to replica 1")
+        loop.call_soon_threadsafe(f.router.admit, 0, other.url, other.version)  # where the retry goes
         os.killpg(pid, signal.SIGKILL)
         with pytest.raises(openai.APIError, match="the replica serving this stream failed"):
             _stream_ids(stream, got)
     finally:
         loop.call_soon_threadsafe(f.router.admit, 0, other.url, other.version)
+    sender.join(300)
     alone = SpeculativeEngine(toy["target"], None, []).generate([list(p)], SamplingConfig(max_new_tokens=LONG))
-    assert 4 <= len(got) < LONG and got == alone[0].output_ids[: len(got)]  # cut short, right as far as it went
-    assert _status(url)["requests"]["stream_failed"] == 1
-    assert _ids(client, p)[0] == _alone(toy, p)  # replica 0 serves meanwhile
+    alone = alone[0].output_ids
+    assert 4 <= len(got) < LONG and got == alone[: len(got)]  # cut short, right as far as it went
+    assert "error" not in answered, answered.get("error")
+    assert answered["ok"].choices[0].model_extra["token_ids"] == alone[:UNARY]  # served in full by replica 0
+    now = _status(url)["requests"]
+    assert now["stream_failed"] == before["stream_failed"] + 1 and now["retried"] >= before["retried"] + 1
+    assert now["failed"] == before["failed"]
     _wait(lambda: f.router.members[1].in_rotation, 300, "the restarted replica")
     assert _versions(f) == [str(f.version)] * 2
+    assert any(e["replica"] == 1 and e["version"] == -1 for e in f.timeline)
 
 
 def test_a_killed_learner_leaves_serving_up(fleet, toy):

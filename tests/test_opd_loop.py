@@ -368,3 +368,17 @@ def test_nccl_broadcast_between_two_gpus(ray_session, tiny_pair):
         [peers[0].exchange.remote("nccl", items, state), peers[1].exchange.remote("nccl", items, None)]
     )
     assert all(torch.equal(state[k], got[k]) and got[k].dtype == state[k].dtype for k in state)
+
+
+def test_a_local_run_starts_its_own_ray_beside_another(ray_session):
+    """Without RAY_ADDRESS (set by `ray job submit`), a run never joins another cluster running on the machine."""
+    code = (
+        "import ray; from draftopd.config import load_config; from draftopd.opd.session import start_ray; "
+        "start_ray(load_config(None, ['ray.object_store_memory_mb=128', 'ray.num_cpus=1'])); "
+        "print(ray.get_runtime_context().gcs_address); ray.shutdown()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    own = out.stdout.strip().splitlines()[-1]
+    assert own.startswith("127.0.0.1:") and own != ray_session.get_runtime_context().gcs_address

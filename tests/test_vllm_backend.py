@@ -3,7 +3,7 @@
 What must hold: at temperature 0 both engines emit the same tokens and record the
 same steps (drafted tokens, accepted counts, the target's log-probs); a drafter
 pushed into the running engine drafts exactly what the native engine predicts for
-it; and Draft-OPD runs end to end with vLLM rollout workers.
+it. Draft-OPD with vLLM rollout workers on Ray is in test_opd_vllm.py.
 """
 
 import pytest
@@ -189,42 +189,3 @@ def test_a_push_of_another_shape_or_vocabulary_is_refused_before_sending(toy, en
             engine.load_drafter_state(bad, 9)
         assert "\n" not in str(err.value)
     assert sent == [] and engine.version == before
-
-
-def test_draft_opd_runs_with_vllm_rollout_workers(ray_session, tmp_path):
-    """The toy-opd-vllm recipe in miniature: from the shipped drafter, 2 rounds, weights pushed into vLLM each step."""
-    from mlflow.tracking import MlflowClient
-
-    from draftopd.config import load_config
-    from draftopd.opd.driver import run_opd
-    from draftopd.tracking import resolve_tracking_uri
-
-    recipe = ASSETS.parents[1] / "recipes" / "toy-opd-vllm.yaml"
-    cfg = load_config(
-        recipe,
-        [
-            f"run.out_dir={tmp_path}",
-            f"drafter.init={ASSETS / 'toy-eagle3'}",
-            "sft.epochs=0",
-            "rollout.num_workers=1",
-            "learner.num_learners=1",
-            "rollout.prompts_per_round=8",
-            "rollout.max_new_tokens=48",
-            "learner.batch_size=4",
-            "opd.num_rounds=2",
-            "opd.steps_per_round=1",
-            "opd.eval_every=1",
-            "opd.num_eval_prompts=4",
-            "eval.max_new_tokens=32",
-        ],
-    )
-    assert cfg.rollout.backend == "vllm"
-    result = run_opd(cfg)
-    client = MlflowClient(resolve_tracking_uri(tmp_path / "toy-opd-vllm"))
-    run = client.get_run(result["mlflow_run_id"])
-    taus = client.get_metric_history(run.info.run_id, "rollout/tau")
-    assert [m.step for m in taus] == [0, 1]  # each round drafted with the version the learner had just pushed
-    assert all(1.0 < m.value <= K + 1 for m in taus)
-    evals = client.get_metric_history(run.info.run_id, "eval/toy/tau")
-    assert [m.step for m in evals][-2:] == [1, 2]  # held-out tau after each pushed version
-    assert evals[0].step == 0 and evals[0].value > 2.5  # v0 is the shipped drafter, as vLLM serves it

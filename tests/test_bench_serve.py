@@ -107,6 +107,25 @@ def test_the_lossless_check_finds_a_changed_token_and_where():
     assert lossless_check(good, ref, {0: prompts[1]})["prompts_rendered_otherwise"] == 1
 
 
+def test_day0_traffic_is_distinct_held_out_prompts_beyond_the_default_corpus():
+    """2,000 requests (day 0) are 2,000 distinct held-out prompts: the arithmetic part of the corpus grows; the
+    default draw is unchanged; a domain that cannot hold the count is refused."""
+    import json
+
+    from draftopd.bench.serve_traffic import shifted_chats, traffic_mix
+    from draftopd.data.prompts import toy_prompts
+
+    chats = shifted_chats(2000, 1)
+    assert len({json.dumps(c) for c in chats}) == 2000
+    train = {json.dumps(c) for c in toy_prompts("train", 10**6, 1, num_arithmetic=32000)}
+    assert not train & {json.dumps(c) for c in chats}
+    mix = traffic_mix(chats)
+    assert sum(mix.values()) == 2000 and mix["arithmetic"] > mix["code"] > 0
+    assert shifted_chats(480, 1) == toy_prompts("held_out", 480, 1)
+    with pytest.raises(ValueError, match="prompts of that kind"):
+        shifted_chats(2000, 1, domain="code")
+
+
 def test_day0_milestones_read_the_window_that_first_reaches_each_count():
     from draftopd.bench.serve_adapt import milestones
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from draftopd.bench.opd_vs_sft import t_interval
 from draftopd.bench.serve_process import BENCH_LEARNER, ServerProcess, serve_args
-from draftopd.bench.serve_traffic import ChatClient, lossless_check, send_all, thinking
+from draftopd.bench.serve_traffic import ChatClient, lossless_check, send_all, thinking, traffic_mix
 
 ARMS = ("on", "off")
 
@@ -130,7 +130,8 @@ def run_adapt(traffic, reference, s: AdaptSettings, out: Path) -> dict:
         reference.prepare(list(expected.values()))  # before serving: the reference does not compete for cores
         order = ARMS if seed % 2 == 0 else ARMS[::-1]
         arms = {arm: run_arm(arm, seed, chats, expected, s, out, reference) for arm in order}
-        seeds[seed] = {**{a: arms[a] for a in ARMS}, "on_over_off": arms["on"]["final_tau"] / arms["off"]["final_tau"]}
+        ratio = arms["on"]["final_tau"] / arms["off"]["final_tau"]
+        seeds[seed] = {**{a: arms[a] for a in ARMS}, "on_over_off": ratio, "traffic_mix": traffic_mix(chats)}
     return summarise(seeds, s)
 
 
@@ -189,6 +190,8 @@ def table(report: dict) -> str:
         f"{s['domain'] or 'all domains'}), windows of {s['window']}, {s['concurrency']} clients, "
         f"K={s['num_draft_tokens']}, seeds {s['seeds']}"
     ]
+    mixes = {str(r.get("traffic_mix")) for r in report["seeds"].values()}
+    lines.append(f"requests per domain (per seed): {'; '.join(sorted(mixes))}")
     lines.append(
         f"{'seed':>5} {'tau off':>8} {'tau on':>8} {'on/off':>7} {'steps':>6} {'steps/min':>9} {'promoted':>9} "
         f"{'refused':>8} {'learner min':>12}"

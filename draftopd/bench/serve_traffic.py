@@ -40,10 +40,21 @@ def shifted_chats(
     """`n` toy chats of `split` (the seed picks the draw; one domain or all) under a shift: `thinking-off` (the
     chats as they are, rendered with thinking off), or `long-context` (each request after ~384 tokens of
     background text, as `draftopd eval`'s long_context variant builds it; needs the tokenizer; thinking on).
-    Raises ValueError when the split holds fewer."""
+
+    The split holds 589 held-out prompts at the corpus's default size (a few arithmetic ones twice). More requests
+    than that (day 0 runs 2,000) are distinct prompts of a corpus whose arithmetic part grows until it holds `n`,
+    so the mix leans further to arithmetic (`traffic_mix` says how far). Raises ValueError when one domain cannot
+    hold `n`."""
+    import json
+
     from draftopd.data.prompts import toy_prompts
 
-    chats = toy_prompts(split, n, seed, domain)
+    chats, num_arithmetic = toy_prompts(split, n, seed, domain), 4000
+    while len(chats) < n and domain != "code" and num_arithmetic < 64000:
+        num_arithmetic *= 2
+        drawn = toy_prompts(split, 10**9, seed, domain, num_arithmetic)
+        seen: set[str] = set()
+        chats = [c for c in drawn if not (json.dumps(c) in seen or seen.add(json.dumps(c)))][:n]  # first of each
     if len(chats) < n:
         raise ValueError(f"the toy corpus's {split} split holds {len(chats)} prompts of that kind, not {n}")
     if shift == "long-context":
@@ -54,6 +65,15 @@ def shifted_chats(
     elif shift != "thinking-off":
         raise ValueError(f"unknown shift {shift!r} (one of {', '.join(SHIFTS)})")
     return chats
+
+
+def traffic_mix(chats: list) -> dict[str, int]:
+    """Requests per toy domain, read from each chat's last turn as the rejection explorer reads it."""
+    from collections import Counter
+
+    from draftopd.serve.records import traffic_domain
+
+    return dict(Counter(traffic_domain(chat[-1]["content"]) for chat in chats))
 
 
 def thinking(shift: str) -> bool:

@@ -61,13 +61,16 @@ def read_prompt_file(path: str | Path, split: str | None = None) -> list[list[di
     return chats
 
 
-def toy_prompts(split: str, limit: int, seed: int = 0, domain: str | None = None) -> list[list[dict[str, str]]]:
-    """Prompts of the toy corpus (`train` or `held_out`), mixed across domains (or one) in a fixed order."""
+def toy_prompts(
+    split: str, limit: int, seed: int = 0, domain: str | None = None, num_arithmetic: int = 4000
+) -> list[list[dict[str, str]]]:
+    """Prompts of the toy corpus (`train` or `held_out`), mixed across domains (or one) in a fixed order. A larger
+    `num_arithmetic` draws more arithmetic prompts after the same first 4,000 (the code prompts are fixed)."""
     import random
 
     from draftopd.toy.corpus import build_corpus, prompt_only
 
-    train, held = build_corpus(num_arithmetic=4000, seed=1000 + seed)
+    train, held = build_corpus(num_arithmetic=num_arithmetic, seed=1000 + seed)
     samples = [s for s in (train if split == "train" else held) if domain is None or s.domain == domain]
     random.Random(seed).shuffle(samples)
     return [prompt_only(s) for s in samples[:limit]]

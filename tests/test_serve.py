@@ -211,7 +211,7 @@ def test_day_0_starts_from_a_fresh_drafter_built_from_the_targets_shapes(tmp_pat
     """`--drafter init:FAMILY`: version 0 of a new run is a fresh drafter of the family for the target (EAGLE-3
     over the whole vocabulary, DFlash with blocks of K + 1 and the tokenizer's mask token) that vLLM is configured
     to serve; another family is refused."""
-    from draftopd.drafters import family, load_drafter, read_raw
+    from draftopd.drafters import family, load_drafter, read_raw, read_tensors
     from draftopd.loading import LoadError, load_target, load_tokenizer
     from draftopd.serve.server import open_session
     from draftopd.serve.settings import ServeSettings
@@ -224,8 +224,9 @@ def test_day_0_starts_from_a_fresh_drafter_built_from_the_targets_shapes(tmp_pat
         target = load_target("toy", family(found).target_layers(raw) or None)
         drafter = load_drafter(path, target)
         assert family(found).speculative_config(path, k)["num_speculative_tokens"] == k
-        if kind == "eagle3":
-            assert raw["draft_vocab_size"] == target.vocab_size
+        if kind == "eagle3":  # the whole vocabulary: no map, which vLLM's model would refuse
+            assert raw["draft_vocab_size"] == target.vocab_size and not {"d2t", "t2d"} & set(read_tensors(path))
+            assert not {"d2t", "t2d"} & set(family(kind).export(raw, read_tensors(path), "vllm")[1])
         else:
             assert raw["block_size"] == k + 1
             assert raw["dflash_config"]["mask_token_id"] == load_tokenizer("toy").convert_tokens_to_ids("<|mask|>")

@@ -322,8 +322,12 @@ class Eagle3Drafter(nn.Module):
         return self.cfg.to_hf(dtype=self.fc.weight.dtype)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Weights under the names vLLM's EAGLE-3 loader expects; the embedding only when it is the drafter's own."""
-        out = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.")}
+        """Weights under the names vLLM's EAGLE-3 loader expects; the embedding only when it is the drafter's own.
+        A drafter over the whole target vocabulary (day 0) has no `d2t`/`t2d`: vLLM's model holds no map then and
+        refuses one (`draft_id_to_target_id`), and `from_state` reads a missing map as the identity."""
+        full = self.cfg.draft_vocab_size == self.cfg.vocab_size and not self.d2t.any()
+        maps = ("d2t", "t2d") if full else ()
+        out = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.") and k not in maps}
         if self.own_embedding:
             out["embed_tokens.weight"] = self.embed.weight
         return out
@@ -351,7 +355,8 @@ class Eagle3Drafter(nn.Module):
             print("drafter: its embedding differs from the target's: kept as the drafter's own")
         drafter = cls(cfg, embed if own is None else own.to(embed.dtype), state.get("d2t"), own is not None)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("embed.") and "rotary" not in m]
+        maps = ("d2t", "t2d") if cfg.draft_vocab_size == cfg.vocab_size else ()  # absent: the identity (state())
+        missing = [m for m in missing if not m.startswith("embed.") and "rotary" not in m and m not in maps]
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 weights: missing {missing}, unexpected {unexpected}")
         return drafter.to(embed.dtype)

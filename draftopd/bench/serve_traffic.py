@@ -52,9 +52,13 @@ def shifted_chats(
     chats, num_arithmetic = toy_prompts(split, n, seed, domain), 4000
     while len(chats) < n and domain != "code" and num_arithmetic < 64000:
         num_arithmetic *= 2
-        drawn = toy_prompts(split, 10**9, seed, domain, num_arithmetic)
         seen: set[str] = set()
-        chats = [c for c in drawn if not (json.dumps(c) in seen or seen.add(json.dumps(c)))][:n]  # first of each
+        chats = []
+        for chat in toy_prompts(split, 10**9, seed, domain, num_arithmetic):  # the first of each prompt, in order
+            key = json.dumps(chat)
+            if key not in seen and len(chats) < n:
+                seen.add(key)
+                chats.append(chat)
     if len(chats) < n:
         raise ValueError(f"the toy corpus's {split} split holds {len(chats)} prompts of that kind, not {n}")
     if shift == "long-context":

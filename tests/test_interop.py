@@ -212,6 +212,38 @@ def test_exports_write_what_each_engine_reads(tmp_path):
     assert back["fc.weight"].dtype == torch.bfloat16
 
 
+def test_a_whole_vocabulary_import_exports_without_the_maps_vllm_refuses(target, batch, tmp_path, capsys):
+    """A published whole-vocabulary EAGLE-3 checkpoint that carries an identity d2t (all offsets 0) and its t2d
+    (SpecForge writes both) exports to vLLM's and SGLang's layouts without them, since vLLM's model has no
+    `draft_id_to_target_id` then and refuses one; it scores as before. A whole-vocabulary map that permutes ids
+    cannot be served by either engine and is refused in one line."""
+    from draftopd.drafters import new_drafter, write_checkpoint
+    from draftopd.schema import DrafterConfig
+
+    torch.manual_seed(0)
+    drafter = new_drafter(DrafterConfig(kind="eagle3"), target, torch.arange(target.vocab_size))
+    cfg, state = drafter.config(), drafter.state()
+    assert cfg["draft_vocab_size"] == target.vocab_size and not {"d2t", "t2d"} & set(state)
+    identity = {
+        "d2t": torch.zeros(target.vocab_size, dtype=torch.long),
+        "t2d": torch.ones(target.vocab_size, dtype=torch.bool),
+    }
+    write_checkpoint(cfg, {**state, **identity}, tmp_path / "published")
+    for fmt in ("vllm", "sglang"):
+        out = tmp_path / fmt
+        assert main(["export", "--drafter", str(tmp_path / "published"), "--format", fmt, "--out", str(out)]) == 0
+        _, _, tensors = read_checkpoint(out)
+        assert not {"d2t", "t2d"} & set(tensors), fmt
+        assert torch.equal(scores(load_drafter(out, target), batch), scores(drafter, batch)), fmt
+    permuted = torch.roll(torch.arange(target.vocab_size), 1) - torch.arange(target.vocab_size)
+    write_checkpoint(cfg, {**state, **identity, "d2t": permuted}, tmp_path / "permuted")
+    capsys.readouterr()
+    argv = ["export", "--drafter", str(tmp_path / "permuted"), "--format", "vllm", "--out", str(tmp_path / "p")]
+    assert main(argv) != 0
+    assert "whole target vocabulary but its d2t map is not the identity" in capsys.readouterr().err
+    assert not (tmp_path / "p" / "model.safetensors").exists()
+
+
 def test_a_pickle_that_is_not_plain_tensors_is_refused(tmp_path, target):
     write_eagle(variant("llama", target), tmp_path / "eagle")
     torch.save({"fc.weight": torch.zeros(1), "evil": print}, tmp_path / "eagle" / "pytorch_model.bin")

@@ -143,6 +143,50 @@ def test_day0_milestones_read_the_window_that_first_reaches_each_count():
     assert set(milestones(short)) == {"500", "1000"}  # 2,000 requests were never served
 
 
+def test_merge_pools_the_seeds_of_runs_with_the_same_settings(tmp_path, capsys):
+    """`bench serve-adapt --merge`: seeds run apart become one report (headline, interval, milestones and plot
+    over all of them); runs that differ in a setting or share a seed are refused in one line."""
+    from draftopd.bench.serve_adapt import AdaptSettings, summarise
+    from draftopd.cli import main
+
+    def arm(taus, steps):
+        curve = [{"requests": 250 * (i + 1), "tau": t, "promotions": i // 2} for i, t in enumerate(taus)]
+        lossless = {"checked": 8, "failures": 0, "first": [], "prompts_rendered_otherwise": 0}
+        return {"curve": curve, "final_tau": taus[-1], "learner_minutes": 1.0, "learner_steps": steps,
+                "learner_steps_per_minute": float(steps), "promotions": 1, "rejections": 0, "failed_requests": 0,
+                "lossless": lossless}  # fmt: skip
+
+    def seed(s):
+        on, off = arm([1.0, 2.0 + s / 10, 2.5, 3.0 + s / 10, 3, 3, 3, 3], 10 + s), arm([1.5] * 8, 0)
+        return {"on": on, "off": off, "on_over_off": on["final_tau"] / off["final_tau"]}
+
+    paths = []
+    for seeds in ((0,), (1, 2)):
+        report = summarise({s: seed(s) for s in seeds}, AdaptSettings(seeds=seeds, control="sft", num_requests=2000))
+        paths.append(tmp_path / f"r{len(paths)}.json")
+        paths[-1].write_text(json.dumps(report))
+    argv = ["bench", "serve-adapt", "--merge", *map(str, paths), "--out", str(tmp_path / "merged")]
+    assert main(argv) == 0
+    merged = json.loads((tmp_path / "merged" / "report.json").read_text())
+    together = summarise(
+        {s: seed(s) for s in (0, 1, 2)}, AdaptSettings(seeds=(0, 1, 2), control="sft", num_requests=2000)
+    )
+    assert merged["settings"]["seeds"] == [0, 1, 2] and set(merged["seeds"]) == {"0", "1", "2"}
+    assert merged["on_over_off_ci95"] == pytest.approx(together["on_over_off_ci95"])
+    assert merged["milestones"]["1000"]["per_seed"] == pytest.approx([(3.0 + s / 10) / 1.5 for s in (0, 1, 2)])
+    assert merged["learner_steps"] == [10, 11, 12] and merged["lossless_checked"] == 48
+    assert (tmp_path / "merged" / "live_tau_vs_requests.png").stat().st_size > 10_000
+    assert "95% CI" in capsys.readouterr().out
+    again = ["bench", "serve-adapt", "--merge", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "x")]
+    with pytest.raises(SystemExit, match="seed 0 is in more than one report"):
+        main(again)
+    other = json.loads(paths[1].read_text())
+    other["settings"]["rate"] = 4.0
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="report 2's settings differ from report 1's in rate"):
+        main(["bench", "serve-adapt", "--merge", *map(str, paths), "--out", str(tmp_path / "y")])
+
+
 def test_the_versions_plot_draws_each_replicas_versions_and_only_for_a_fleet(tmp_path):
     from draftopd.bench.serve_load import versions_plot
 

@@ -161,6 +161,27 @@ def summarise(seeds: dict, s: AdaptSettings) -> dict:
     }
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report from runs of the same settings over different seeds (run one after another, or on several
+    machines): the seeds pooled, the headline and its interval computed again over all of them. Runs whose
+    settings differ in anything but their seeds, or that share a seed, are refused, naming what differs."""
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = {k: v for k, v in reports[0]["settings"].items() if k != "seeds"}
+    seeds: dict[int, dict] = {}
+    for i, r in enumerate(reports):
+        other = {k: v for k, v in r["settings"].items() if k != "seeds"}
+        differ = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+        if differ:
+            raise ValueError(f"report {i + 1}'s settings differ from report 1's in {', '.join(differ)}")
+        for seed, row in r["seeds"].items():
+            if int(seed) in seeds:
+                raise ValueError(f"seed {seed} is in more than one report")
+            seeds[int(seed)] = row
+    settings = AdaptSettings(**{**first, "seeds": tuple(sorted(seeds))})
+    return summarise(dict(sorted(seeds.items())), settings)
+
+
 MILESTONES = (500, 1000, 2000)
 
 

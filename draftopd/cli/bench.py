@@ -11,6 +11,7 @@ concurrent clients, learning on vs off (latency, tokens/s, memory).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from draftopd.cli.common import HelpFormatter, add_command, at_least_one
@@ -222,6 +223,14 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
         default="",
         help="the learning-off arm's drafter (as --drafter; default: the same). Day 0: --drafter init:eagle3 "
         "--control-drafter eagle3",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="REPORT",
+        default=None,
+        help="serve nothing: pool the seeds of these report.json files (the same settings, other seeds) into one "
+        "report, its interval and plot in --out",
     )
 
 
@@ -537,8 +546,10 @@ def _serve_drafter(args, name: str | None = None) -> tuple[str, int]:
 
 
 def _bench_serve_adapt(args) -> None:
-    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, mlflow_rows, run_adapt, table
+    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, merge, mlflow_rows, run_adapt, table
 
+    if args.merge:
+        return _merge_serve_adapt(args, merge, curve_plot, table)
     drafter, k = _serve_drafter(args)
     control = _serve_drafter(args, args.control_drafter)[0] if args.control_drafter else ""
     s = AdaptSettings(
@@ -567,6 +578,25 @@ def _bench_serve_adapt(args) -> None:
     _bench_mlflow(out, "serve-adapt", report["settings"], mlflow_rows(report), [out / "live_tau_vs_requests.png"])
     print(table(report))
     print(f"report in {_report_path(args)}; plot, MLflow store and the servers' run directories in {out}")
+
+
+def _merge_serve_adapt(args, merge, curve_plot, table) -> None:
+    reports = []
+    for path in args.merge:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"bench serve-adapt --merge: cannot read {path}: {e}") from None
+    try:
+        report = merge(reports)
+    except ValueError as e:
+        raise SystemExit(f"bench serve-adapt --merge: {e}") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(_report_path(args), report)
+    curve_plot(report, out / "live_tau_vs_requests.png")
+    print(table(report))
+    print(f"report in {_report_path(args)}; plot in {out}")
 
 
 def _bench_serve_load(args) -> None:

@@ -146,7 +146,7 @@ def test_day0_milestones_read_the_window_that_first_reaches_each_count():
 def test_merge_pools_the_seeds_of_runs_with_the_same_settings(tmp_path, capsys):
     """`bench serve-adapt --merge`: seeds run apart become one report (headline, interval, milestones and plot
     over all of them); runs that differ in a setting or share a seed are refused in one line."""
-    from draftopd.bench.serve_adapt import AdaptSettings, summarise
+    from draftopd.bench.serve_adapt import AdaptSettings, drafter_label, summarise
     from draftopd.cli import main
 
     def arm(taus, steps):
@@ -177,6 +177,8 @@ def test_merge_pools_the_seeds_of_runs_with_the_same_settings(tmp_path, capsys):
     assert merged["learner_steps"] == [10, 11, 12] and merged["lossless_checked"] == 48
     assert (tmp_path / "merged" / "live_tau_vs_requests.png").stat().st_size > 10_000
     assert "95% CI" in capsys.readouterr().out
+    assert drafter_label("/srv/runs/day0/drafters/dflash-sft/checkpoints/final") == "dflash-sft"  # no local path
+    assert drafter_label("toy") == "toy" and drafter_label("init:eagle3") == "init:eagle3"
     again = ["bench", "serve-adapt", "--merge", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "x")]
     with pytest.raises(SystemExit, match="seed 0 is in more than one report"):
         main(again)

@@ -236,6 +236,13 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def drafter_label(name: str) -> str:
+    """A drafter as a plot names it: a directory by its run's name (`.../dflash-sft/checkpoints/final` ->
+    `dflash-sft`), not by where it lies on this machine; a name (`toy`, `init:eagle3`) as it is."""
+    parts = [p for p in Path(name).parts if p not in ("/", "checkpoints", "final")]
+    return parts[-1] if len(Path(name).parts) > 1 and parts else name
+
+
 def curve_plot(report: dict, out_png) -> None:
     """Live tau against requests served, learning on and off: the mean over seeds with its 95% t-interval as a
     band, each seed's curve thin, and ticks where the learner's versions were promoted."""
@@ -247,7 +254,7 @@ def curve_plot(report: dict, out_png) -> None:
     s = report["settings"]
     names = {"off": "learning off (control)", "on": "learning on"}
     if s.get("control"):  # day 0: the arms serve different drafters
-        names = {"off": f"{s['control']}, learning off", "on": f"{s['drafter']}, learning on"}
+        names = {"off": f"shipped {drafter_label(s['control'])}, learning off", "on": f"{s['drafter']}, learning on"}
     for arm, label in (("off", names["off"]), ("on", names["on"])):
         curves = [r[arm]["curve"] for r in report["seeds"].values()]
         n = min(len(c) for c in curves)
@@ -266,8 +273,9 @@ def curve_plot(report: dict, out_png) -> None:
     ax.set_ylabel("live tau per window (vLLM's counters)")
     n = len(s["seeds"])
     ax.set_title(
-        f"draftopd serve on shifted traffic ({s['shift']}): learning on vs off\n"
-        f"{n} seed{'s' if n > 1 else ''}; bands: 95% t-interval over seeds; ^: a promoted version began serving",
+        f"draftopd serve on shifted traffic ({s['shift']}): "
+        + ("day 0, a fresh drafter learning vs the shipped one\n" if s.get("control") else "learning on vs off\n")
+        + f"{n} seed{'s' if n > 1 else ''}; bands: 95% t-interval over seeds; ^: a promoted version began serving",
         fontsize="medium",
     )
     ax.grid(alpha=0.3)

@@ -216,7 +216,7 @@ def test_a_whole_vocabulary_import_exports_without_the_maps_vllm_refuses(target,
     """A published whole-vocabulary EAGLE-3 checkpoint that carries an identity d2t (all offsets 0) and its t2d
     (SpecForge writes both) exports to vLLM's and SGLang's layouts without them, since vLLM's model has no
     `draft_id_to_target_id` then and refuses one; it scores as before. A whole-vocabulary map that permutes ids
-    cannot be served by either engine and is refused in one line."""
+    is refused for vLLM in one line and kept for SGLang, which reads any map."""
     from draftopd.drafters import new_drafter, write_checkpoint
     from draftopd.schema import DrafterConfig
 
@@ -242,6 +242,8 @@ def test_a_whole_vocabulary_import_exports_without_the_maps_vllm_refuses(target,
     assert main(argv) != 0
     assert "whole target vocabulary but its d2t map is not the identity" in capsys.readouterr().err
     assert not (tmp_path / "p" / "model.safetensors").exists()
+    argv = ["export", "--drafter", str(tmp_path / "permuted"), "--format", "sglang", "--out", str(tmp_path / "s")]
+    assert main(argv) == 0 and torch.equal(read_checkpoint(tmp_path / "s")[2]["d2t"], permuted)
 
 
 def test_a_pickle_that_is_not_plain_tensors_is_refused(tmp_path, target):

@@ -546,10 +546,10 @@ def _serve_drafter(args, name: str | None = None) -> tuple[str, int]:
 
 
 def _bench_serve_adapt(args) -> None:
-    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, merge, mlflow_rows, run_adapt, table
+    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, mlflow_rows, run_adapt, table
 
     if args.merge:
-        return _merge_serve_adapt(args, merge, curve_plot, table)
+        return _merge_serve_adapt(args)
     drafter, k = _serve_drafter(args)
     control = _serve_drafter(args, args.control_drafter)[0] if args.control_drafter else ""
     s = AdaptSettings(
@@ -580,7 +580,10 @@ def _bench_serve_adapt(args) -> None:
     print(f"report in {_report_path(args)}; plot, MLflow store and the servers' run directories in {out}")
 
 
-def _merge_serve_adapt(args, merge, curve_plot, table) -> None:
+def _merge_serve_adapt(args) -> None:
+    """`bench serve-adapt --merge`: the reports' seeds pooled into one report and plot; nothing served."""
+    from draftopd.bench.serve_adapt import curve_plot, merge, table
+
     reports = []
     for path in args.merge:
         try:

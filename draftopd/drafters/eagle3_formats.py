@@ -190,19 +190,23 @@ def export_state(
         if bad:
             raise FormatError(f"SGLang's EAGLE-3 model does not compute {', '.join(bad)}: export --format vllm")
         cfg.pop(IDS, None)
-    return cfg, _without_identity_maps(cfg, dict(tensors))
+    return cfg, _without_identity_maps(cfg, dict(tensors), fmt)
 
 
-def _without_identity_maps(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """vLLM's and SGLang's EAGLE-3 models keep no draft-to-target map when the draft vocabulary is the target's
-    whole vocabulary, and vLLM refuses one it has no parameter for: an identity `d2t` (all offsets 0) and its
-    `t2d` are left out; a whole-vocabulary map that permutes ids cannot be served by either and is refused."""
+def _without_identity_maps(cfg: dict, tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """vLLM's EAGLE-3 model keeps no draft-to-target map when the draft vocabulary is the target's whole
+    vocabulary and refuses one it has no parameter for (`draft_id_to_target_id`), so an identity `d2t` (all
+    offsets 0) and its `t2d` are left out of both layouts (SGLang reads a missing map as the identity too). A
+    whole-vocabulary map that permutes ids is kept for SGLang, which reads any map as its hot-token ids, and
+    refused for vLLM, which cannot serve it."""
     vocab = cfg.get("vocab_size")
     if "d2t" not in tensors or vocab is None or cfg.get("draft_vocab_size", vocab) != vocab:
         return tensors
     if tensors["d2t"].any():
+        if fmt == "sglang":
+            return tensors
         raise FormatError(
-            "the draft vocabulary is the whole target vocabulary but its d2t map is not the identity: "
-            "vLLM and SGLang serve a whole-vocabulary EAGLE-3 drafter without a map"
+            "the draft vocabulary is the whole target vocabulary but its d2t map is not the identity: vLLM's "
+            "EAGLE-3 model keeps no map then and cannot serve it (export --format sglang)"
         )
     return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}

@@ -55,8 +55,10 @@ def shifted_chats(
         seen: set[str] = set()
         chats = []
         for chat in toy_prompts(split, 10**9, seed, domain, num_arithmetic):  # the first of each prompt, in order
+            if len(chats) == n:
+                break
             key = json.dumps(chat)
-            if key not in seen and len(chats) < n:
+            if key not in seen:
                 seen.add(key)
                 chats.append(chat)
     if len(chats) < n:

@@ -22,7 +22,7 @@ from draftopd.eval.acceptance import acceptance_stats
 from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 from draftopd.messages import SamplingConfig, Trajectory, VerificationStep
 from draftopd.serve.guard import judge, t_quantile
-from draftopd.serve.learner import LearnerSettings, ServeLearner, clone_drafter
+from draftopd.serve.learner import LearnerSettings, ServeLearner, candidate_due, clone_drafter
 from draftopd.serve.traffic import TrafficBuffer
 from draftopd.serve.versions import VersionStore
 
@@ -317,6 +317,30 @@ def test_learner_keeps_within_its_token_budget(toy, learner_target, thinking_tra
         assert all(r["loss"] > 0 for r in log.events("step"))
     finally:
         learner.stop()
+
+
+def test_a_slow_learner_guards_a_snapshot_by_step_seconds_before_the_step_count():
+    s = LearnerSettings(candidate_every=20, candidate_every_s=60.0)
+    assert [n for n in range(1, 41) if candidate_due(s, n, 1.0)] == [20, 40]  # fast steps: the count decides
+    assert candidate_due(s, 5, 60.0) and not candidate_due(s, 5, 59.9)  # slow ones: the seconds do
+
+
+def test_a_learner_tries_a_candidate_after_each_step_once_its_seconds_are_spent(toy, learner_target, thinking_traffic):
+    _, _, eos, _ = toy
+    buf = TrafficBuffer(capacity=100, holdout_every=50)
+    s = LearnerSettings(steps_per_1k_tokens=1e6, min_traffic=4, candidate_every=1000, candidate_every_s=0.0,
+                        min_holdout=10**6, poll_s=0.05)  # fmt: skip
+    log = Log()
+    learner = ServeLearner(learner_target, load_drafter(resolve_drafter_path("toy"), learner_target), buf, s,
+                           log.propose, log, eos)  # fmt: skip
+    learner.start()
+    buf.add(thinking_traffic[:8])
+    try:
+        assert wait_for(lambda: learner.steps >= 3, 60)
+    finally:
+        learner.stop()
+    waits = [r["step"] for r in log.events("candidate_waits")]
+    assert waits[:3] == [1, 2, 3], log.rows  # due after every step although the count (1000) is far
 
 
 def test_a_failing_learner_logs_retries_and_keeps_running(toy, learner_target):

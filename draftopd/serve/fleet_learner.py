@@ -4,10 +4,11 @@ Serving is Draft-OPD's rollout at fleet scale: every response is target-verified
 counts the router records. So the learner is `opd/`'s: the records' trajectories go into opd's `ReplayBuffer`,
 each step is `DraftLearner.opd_step` (the family's Draft-OPD loss, a DeepSpeed step) on a sample of it, and a
 candidate's weights come out of `DraftLearner.weights`, as in training. What is serving's own is the guard: every
-`candidate_every` steps a snapshot is judged against the drafter serving on a held-out slice of the traffic (every
-`holdout_every`-th trajectory, never trained on), and only a promoted one is returned to the fleet, which pushes
-it. Operators' pushes are vetted here too, by the same guard, so no model object is ever shared between threads:
-this object lives in one process (the fleet's learner actor) and its calls run one at a time.
+`candidate_every` steps (or sooner, once they took `candidate_every_s` seconds) a snapshot is judged against the
+drafter serving on a held-out slice of the traffic (every `holdout_every`-th trajectory, never trained on), and
+only a promoted one is returned to the fleet, which pushes it. Operators' pushes are vetted here too, by the same
+guard, so no model object is ever shared between threads: this object lives in one process (the fleet's learner
+actor) and its calls run one at a time.
 
 A step's cost does not grow with the prompt: a trajectory keeps at most `context_tokens` of its prompt before the
 response (the target re-runs over the row on every step), with its steps' positions moved to match.
@@ -22,7 +23,7 @@ from collections import deque
 
 from draftopd.messages import Trajectory
 from draftopd.serve.guard import judge
-from draftopd.serve.learner import LearnerSettings
+from draftopd.serve.learner import LearnerSettings, candidate_due
 
 
 def clip_context(traj: Trajectory, keep: int) -> Trajectory:
@@ -46,6 +47,7 @@ class FleetLearner:
         self.version = 0  # the drafter version serving (the incumbent)
         self.num_added = self.num_skipped = self.steps = self.candidates = self.rejections = 0
         self.step_seconds = 0.0
+        self._since_s = 0.0  # step seconds since the last candidate
         # what the steps carried: rows' tokens (the passes' length) and the loss's supervised (position, depth)
         # cells; a long prompt makes steps slower but its long response makes each carry more
         self.replayed_tokens = self.supervised = 0
@@ -88,7 +90,8 @@ class FleetLearner:
         t0 = time.monotonic()
         while time.monotonic() - t0 < seconds and len(self.buffer) >= self.s.min_traffic:
             out["last_step"] = self._step()
-            if self.steps % self.s.candidate_every == 0:
+            if candidate_due(self.s, self.steps, self._since_s):
+                self._since_s = 0.0
                 cand = self._candidate()
                 if cand is not None:
                     out["candidate"] = cand
@@ -101,6 +104,7 @@ class FleetLearner:
         s = self.s
         m = self.role.opd_step(states, s.num_draft_tokens, self.decay, s.max_seq_len, self.loss_cfg, s.lr)
         self.step_seconds += time.monotonic() - t
+        self._since_s += time.monotonic() - t
         self.steps += 1
         self.replayed_tokens += int(m.get("num_tokens", 0))
         self.supervised += int(m.get("num_accepted_tokens", 0)) + int(m.get("num_rejected_tokens", 0))

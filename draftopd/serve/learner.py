@@ -48,6 +48,9 @@ class LearnerSettings:
     """AdamW learning rate (betas 0.9, 0.95; gradients clipped at norm 1): the recipes' Draft-OPD rate."""
     candidate_every: int = 20
     """Guard a snapshot every this many learner steps."""
+    candidate_every_s: float = 60.0
+    """... or once the steps since the last candidate took this many seconds, whichever comes first: a learner
+    slowed by long prompts still proposes within minutes (on short prompts the step count comes first)."""
     min_traffic: int = 16
     """Trainable trajectories (with a verification step) in the buffer before the first step."""
     min_holdout: int = 16
@@ -76,6 +79,12 @@ class LearnerSettings:
     seed: int = 0
     loss: dict = field(default_factory=dict)
     """Overrides of LearnerConfig's loss fields (decay, rej_coef, rejection_loss, ...)."""
+
+
+def candidate_due(settings: LearnerSettings, steps: int, seconds_since: float) -> bool:
+    """Whether a snapshot is guarded after learner step `steps`, `seconds_since` seconds of stepping after the
+    last candidate: every `candidate_every` steps, or sooner once those steps took `candidate_every_s`."""
+    return steps % settings.candidate_every == 0 or seconds_since >= settings.candidate_every_s
 
 
 def clone_drafter(drafter, target):
@@ -114,6 +123,7 @@ class ServeLearner:
         self._thread: threading.Thread | None = None
         self._killed = self._reset = False
         self.steps = self.candidates = self.promotions = self.rejections = self.errors = 0
+        self._since_s = 0.0  # step seconds since the last candidate
         self.last_error = ""
         self.last_verdict: Verdict | None = None
 
@@ -208,7 +218,9 @@ class ServeLearner:
             metrics = self._step()
             self.steps += 1
             self._emit({"event": "step", **metrics})
-            if self.steps % self.s.candidate_every == 0:
+            self._since_s += metrics.get("seconds", 0.0)
+            if candidate_due(self.s, self.steps, self._since_s):
+                self._since_s = 0.0
                 self._candidate()
         return True
 

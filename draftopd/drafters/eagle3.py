@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from draftopd.drafters.base import Pick
-from draftopd.drafters.eagle3_formats import FORMATS, export_state, import_state, read_config
+from draftopd.drafters.eagle3_formats import FORMATS, export_state, identity_maps, import_state, read_config
 from draftopd.drafters.eagle3_inspect import describe
 from draftopd.drafters.eagle3_layers import ROPE_TYPES, MidLayer
 from draftopd.drafters.ttt_attention import dense_mask, dense_ttt_attention, ttt_attention
@@ -325,8 +325,7 @@ class Eagle3Drafter(nn.Module):
         """Weights under the names vLLM's EAGLE-3 loader expects; the embedding only when it is the drafter's own.
         A drafter over the whole target vocabulary (day 0) has no `d2t`/`t2d`: vLLM's model holds no map then and
         refuses one (`draft_id_to_target_id`), and `from_state` reads a missing map as the identity."""
-        full = self.cfg.draft_vocab_size == self.cfg.vocab_size and not self.d2t.any()
-        maps = ("d2t", "t2d") if full else ()
+        maps = ("d2t", "t2d") if identity_maps(self.cfg.vocab_size, self.cfg.draft_vocab_size, self.d2t) else ()
         out = {k: v for k, v in self.state_dict().items() if not k.startswith("embed.") and k not in maps}
         if self.own_embedding:
             out["embed_tokens.weight"] = self.embed.weight

@@ -193,6 +193,14 @@ def export_state(
     return cfg, _without_identity_maps(cfg, dict(tensors), fmt)
 
 
+def identity_maps(vocab_size: int | None, draft_vocab_size: int | None, d2t: torch.Tensor | None) -> bool:
+    """Whether `d2t` (and its `t2d`) only restate the identity: the draft vocabulary is the target's whole one and
+    every offset is 0. Such maps are left out of what is saved and exported (vLLM's model holds none then)."""
+    if d2t is None or vocab_size is None or (draft_vocab_size or vocab_size) != vocab_size:
+        return False
+    return not d2t.any()
+
+
 def _without_identity_maps(cfg: dict, tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
     """vLLM's EAGLE-3 model keeps no draft-to-target map when the draft vocabulary is the target's whole
     vocabulary and refuses one it has no parameter for (`draft_id_to_target_id`), so an identity `d2t` (all
@@ -202,7 +210,7 @@ def _without_identity_maps(cfg: dict, tensors: dict[str, torch.Tensor], fmt: str
     vocab = cfg.get("vocab_size")
     if "d2t" not in tensors or vocab is None or cfg.get("draft_vocab_size", vocab) != vocab:
         return tensors
-    if tensors["d2t"].any():
+    if not identity_maps(vocab, cfg.get("draft_vocab_size"), tensors["d2t"]):
         if fmt == "sglang":
             return tensors
         raise FormatError(

@@ -103,8 +103,9 @@ class FleetLearner:
         t = time.monotonic()
         s = self.s
         m = self.role.opd_step(states, s.num_draft_tokens, self.decay, s.max_seq_len, self.loss_cfg, s.lr)
-        self.step_seconds += time.monotonic() - t
-        self._since_s += time.monotonic() - t
+        dt = time.monotonic() - t
+        self.step_seconds += dt
+        self._since_s += dt
         self.steps += 1
         self.replayed_tokens += int(m.get("num_tokens", 0))
         self.supervised += int(m.get("num_accepted_tokens", 0)) + int(m.get("num_rejected_tokens", 0))

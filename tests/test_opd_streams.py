@@ -115,3 +115,43 @@ def test_unknown_loss_settings_are_refused(rollouts):
         opd_loss(drafter, target, batch, OPDLossConfig(rejection_loss="kl"))
     with pytest.raises(ValueError, match="replay unit must be one of trajectory, state"):
         build_replay_batch([ErrorState(trajs[0], 0, 0)], _t2d(target, drafter), 4, 0.8, 512, unit="block")
+
+
+def test_a_family_that_scores_rows_replays_the_weighed_rows_alone_to_the_full_grids_loss_and_gradients(
+    rollouts, monkeypatch
+):
+    """DFlash and PARD compute only the rows the loss weighs (the prompt's carry none), and get the loss and
+    gradients of the whole grid: a long prompt costs the drafter nothing the loss does not read."""
+    from draftopd.opd.replay import weighed_rows
+
+    target, drafter, _ = rollouts
+    if not type(drafter).scores_rows:
+        pytest.skip(f"{drafter.kind}'s chain attends to every earlier row: it scores them all")
+    prompts = [[3, 5, 7, 9, 11, 13] * 3 + p for p in random_prompts(3, 16, seed=5)]  # 19-26 tokens
+    trajs = SpeculativeEngine(target, drafter, [1]).generate(prompts, SamplingConfig(12, 0.0, 4))
+    states = [ErrorState(t, i, 0) for t in trajs for i in range(len(t.steps))]
+    batch = build_replay_batch(states, _t2d(target, drafter), 4, 0.8, 512)
+    rows = weighed_rows(batch)
+    assert 0 < len(rows) <= (batch.input_ids.shape[1] - 1) - 17  # the prompts' rows carry no weight
+    seen = []
+
+    def forward(*args, **kwargs):
+        seen.append(kwargs.get("rows"))
+        return drafter(*args, **kwargs)
+
+    def loss_and_grads():
+        drafter.zero_grad()
+        loss, _ = opd_loss(drafter, target, batch, OPDLossConfig(), forward)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads()
+    assert seen[-1].shape[1] == len(rows)  # the drafter computed those rows alone
+    monkeypatch.setattr(type(drafter), "scores_rows", False)
+    full_loss, full_grads = loss_and_grads()
+    assert seen[-1] is None  # the whole grid
+    assert torch.allclose(loss, full_loss, rtol=1e-9, atol=1e-12)
+    assert grads.keys() == full_grads.keys() and grads
+    for k in grads:
+        assert torch.allclose(grads[k], full_grads[k], rtol=1e-7, atol=1e-10), k
+    drafter.zero_grad()

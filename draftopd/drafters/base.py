@@ -106,6 +106,10 @@ class Drafter(Protocol):
     def score(self, input_ids, features, valid, depth: int, depth_tokens=None, rows=None) -> torch.Tensor:
         """Logits [B, D, n, Vd] on the shared (row, depth) grid; with `rows` [B, R], [B, D, R, Vd] (optional)."""
 
+    scores_rows: ClassVar[bool]
+    """Whether `score` takes `rows` and then computes those rows alone (its cost falls with them), the same rows in
+    every batch row: Draft-OPD's replay then scores only the rows its loss weighs, not a long prompt's."""
+
     def config(self) -> dict[str, Any]: ...
 
     def state(self) -> dict[str, torch.Tensor]: ...

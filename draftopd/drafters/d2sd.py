@@ -190,6 +190,7 @@ class D2SDDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = ()
+    scores_rows: ClassVar[bool] = False  # Draft-OPD does not replay D²SD
     live_push: ClassVar[bool] = False  # not served by vLLM
 
     @staticmethod

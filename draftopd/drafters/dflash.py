@@ -358,6 +358,7 @@ class DFlashDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    scores_rows: ClassVar[bool] = True  # each block attends to the context alone: a row costs what it reads
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_dflash.py pushes, decodes)
 
     @staticmethod

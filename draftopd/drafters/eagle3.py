@@ -371,6 +371,7 @@ class Eagle3Drafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    scores_rows: ClassVar[bool] = False  # the TTT chain attends to every earlier row's own states
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_vllm_backend.py)
 
     @staticmethod

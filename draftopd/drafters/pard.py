@@ -219,16 +219,29 @@ class PardDrafter(nn.Module):
         aux = out.aux_hidden.to(self.target_proj.weight.dtype)
         return torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
 
-    def score(self, input_ids, features, valid, depth: int, depth_tokens=None) -> torch.Tensor:
+    def score(self, input_ids, features, valid, depth: int, depth_tokens=None, rows=None) -> torch.Tensor:
         """Logits [B, depth, n, V]: row t, depth d is the copy-d logit at p = t + 1 + d, for every row: copy d
         runs at p = d + 1 .. L - 1 + d, past the text's end too (its context x_0..x_{t+1} is always real), as a
-        rollout drafts past the end of what it later emits."""
+        rollout drafts past the end of what it later emits.
+
+        `rows` [B, R] (the same in every batch row: the copies are laid out once): [B, depth, R, V], the mask
+        copies kept only at those rows' blocks. A mask sees the real tokens and its own chain alone, all kept, so
+        each row's logits are the full grid's."""
         b, length = input_ids.shape
-        kept = [torch.arange(length)] + [torch.arange(d + 1, length + d) for d in range(1, depth)]
+        if rows is None:
+            kept = [torch.arange(length)] + [torch.arange(d + 1, length + d) for d in range(1, depth)]
+            logits, _, _ = self.copies(input_ids, features, valid, kept)
+            n = length - 1  # copy 0 holds L tokens (its logit at p = 0 predicts no grid row), copy d >= 1 holds n
+            starts = [1] + [length + (d - 1) * n for d in range(1, depth)]
+            return torch.stack([logits[:, s : s + n] for s in starts], 1)
+        if bool((rows != rows[:1]).any()):
+            raise ValueError("PARD scores the same rows in every batch row (its copies are laid out once)")
+        rows = rows[0]
+        kept = [torch.arange(length, device=rows.device)] + [rows + 1 + d for d in range(1, depth)]
         logits, _, _ = self.copies(input_ids, features, valid, kept)
-        n = length - 1  # copy 0 holds L tokens (its logit at p = 0 predicts no grid row), copy d >= 1 holds n
-        starts = [1] + [length + (d - 1) * n for d in range(1, depth)]
-        return torch.stack([logits[:, s : s + n] for s in starts], 1)
+        r = len(rows)  # copy 0 holds all L tokens (the context; its logit at t + 1 is row t's), copy d >= 1 holds R
+        parts = [logits[:, rows + 1]] + [logits[:, length + (d - 1) * r : length + d * r] for d in range(1, depth)]
+        return torch.stack(parts, 1)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         """`score`, so that wrappers such as a DeepSpeed engine can call the module."""
@@ -346,6 +359,7 @@ class PardDrafter(nn.Module):
     # ---- layouts and construction ------------------------------------------------
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    scores_rows: ClassVar[bool] = True  # a mask sees the real tokens and its own chain: rows are independent
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_pard_vllm.py pushes, decodes)
 
     @staticmethod

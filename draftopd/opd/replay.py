@@ -269,15 +269,28 @@ def rejected_block_targets(target, batch: ReplayBatch, d2t: torch.Tensor, chunk:
     return rows, ts, restricted, tokens
 
 
+def weighed_rows(batch: ReplayBatch) -> torch.Tensor:
+    """[R] the grid rows (ascending) where either stream has weight at some depth in some batch row."""
+    return ((batch.acc_weight > 0) | (batch.rej_weight > 0)).any(1).any(0).nonzero().flatten()
+
+
 def replay_forward(drafter, target, batch: ReplayBatch, forward=None):
     """Target pass (no grad) and the drafter's replayed chains; returns (target logits, [B, D, n, Vd] logits).
 
-    `forward` runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself.
+    `forward` runs the drafter's TTT pass (a DeepSpeed engine wrapping it); default the drafter itself. A family
+    that `scores_rows` computes only the rows the loss weighs (a long prompt's rows carry none: the target's pass
+    over it is the context they need, and costs a fraction of the drafter's); the others are left at zero logits,
+    where no weight reads them.
     """
-    n = batch.input_ids.shape[1]
-    out = target.forward(batch.input_ids, torch.arange(n, device=batch.input_ids.device).expand_as(batch.input_ids))
-    depth = batch.depth_tokens.shape[1]
-    logits = (forward or drafter)(batch.input_ids, drafter.features(out), batch.valid, depth, batch.depth_tokens)
+    ids = batch.input_ids
+    out = target.forward(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
+    depth, n = batch.depth_tokens.shape[1], ids.shape[1] - 1
+    args = (ids, drafter.features(out), batch.valid, depth, batch.depth_tokens)
+    rows = weighed_rows(batch).to(ids.device) if getattr(drafter, "scores_rows", False) else None
+    if rows is None or not 0 < len(rows) < n:
+        return out.logits, (forward or drafter)(*args)
+    part = (forward or drafter)(*args, rows=rows.expand(ids.shape[0], -1))  # [B, D, R, Vd]
+    logits = part.new_zeros(*part.shape[:2], n, part.shape[3]).index_copy(2, rows, part)
     return out.logits, logits
 
 

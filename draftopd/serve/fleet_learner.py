@@ -11,7 +11,8 @@ guard, so no model object is ever shared between threads: this object lives in o
 actor) and its calls run one at a time.
 
 A step's cost does not grow with the prompt: a trajectory keeps at most `context_tokens` of its prompt before the
-response (the target re-runs over the row on every step), with its steps' positions moved to match.
+response (the target re-runs over the row on every step), with its steps' positions moved to match, and a family
+that `scores_rows` (DFlash, PARD) runs the drafter on the response's rows alone (opd's `replay_forward`).
 """
 
 from __future__ import annotations

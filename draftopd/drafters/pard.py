@@ -227,16 +227,13 @@ class PardDrafter(nn.Module):
         `rows` [B, R] (the same in every batch row: the copies are laid out once): [B, depth, R, V], the mask
         copies kept only at those rows' blocks. A mask sees the real tokens and its own chain alone, all kept, so
         each row's logits are the full grid's."""
-        b, length = input_ids.shape
-        if rows is None:
-            kept = [torch.arange(length)] + [torch.arange(d + 1, length + d) for d in range(1, depth)]
-            logits, _, _ = self.copies(input_ids, features, valid, kept)
-            n = length - 1  # copy 0 holds L tokens (its logit at p = 0 predicts no grid row), copy d >= 1 holds n
-            starts = [1] + [length + (d - 1) * n for d in range(1, depth)]
-            return torch.stack([logits[:, s : s + n] for s in starts], 1)
-        if bool((rows != rows[:1]).any()):
+        length = input_ids.shape[1]
+        if rows is None:  # every row: copy d >= 1 at p = d + 1 .. L - 1 + d
+            rows = torch.arange(length - 1, device=input_ids.device)
+        elif bool((rows != rows[:1]).any()):
             raise ValueError("PARD scores the same rows in every batch row (its copies are laid out once)")
-        rows = rows[0]
+        else:
+            rows = rows[0]
         kept = [torch.arange(length, device=rows.device)] + [rows + 1 + d for d in range(1, depth)]
         logits, _, _ = self.copies(input_ids, features, valid, kept)
         r = len(rows)  # copy 0 holds all L tokens (the context; its logit at t + 1 is row t's), copy d >= 1 holds R

@@ -1,7 +1,7 @@
 """The fleet learner's pace on a shift: learner steps per minute of step time and per wall minute, for a 2-replica
 fleet serving the toy target with the shipped EAGLE-3 drafter, learning on.
 
-    python scripts/fleet_learner_pace.py --shift long-context --context-tokens 256 --max-seq-len 384
+    python scripts/fleet_learner_pace.py --shift long-context --context-tokens 256 --response-tokens 128
 
 Sends --num-requests chats of the shift through the openai client (4 at a time), lets the learner work for
 --learn-s more seconds, and prints one JSON line: steps, step seconds, steps per step-minute, steps per wall
@@ -20,7 +20,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shift", default="thinking-off")
     p.add_argument("--context-tokens", type=int, default=256)
-    p.add_argument("--max-seq-len", type=int, default=384)
+    p.add_argument("--response-tokens", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=80)
     p.add_argument("--learn-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
@@ -36,7 +36,7 @@ def main() -> None:
     from draftopd.serve.settings import ServeSettings
 
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    learner = {"context_tokens": a.context_tokens, "max_seq_len": a.max_seq_len, "min_traffic": 8}
+    learner = {"context_tokens": a.context_tokens, "response_tokens": a.response_tokens, "min_traffic": 8}
     s = ServeSettings(api_key="pace", port=8790, served_model_name="toy", run_dir=a.run_dir, learner=learner)
     fleet = Fleet(s, FleetSettings(replicas=2, work_s=3.0))
     loop, started = asyncio.new_event_loop(), asyncio.Event()
@@ -66,7 +66,7 @@ def main() -> None:
     out = {
         "shift": a.shift,
         "context_tokens": a.context_tokens,
-        "max_seq_len": a.max_seq_len,
+        "response_tokens": a.response_tokens,
         "steps": c.get("steps"),
         "step_seconds": round(c.get("step_seconds", 0.0), 2),
         "steps_per_step_minute": round(60 * c["steps"] / c["step_seconds"], 1) if c.get("step_seconds") else None,

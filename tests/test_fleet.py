@@ -200,6 +200,7 @@ def test_records_reach_the_learner_and_the_status_lists_every_replica(fleet, toy
     live = st["live"]["0"]["requests"] - before["live"].get("0", {}).get("requests", 0)
     assert st["counts"]["skipped"] == 0 and live + st["counts"]["no_steps"] - before["counts"]["no_steps"] == 40
     assert st["learner"]["added"] >= 30 and st["learner"]["state"] == "learning on cpu"
+    assert st["learner"]["context_tokens"] == 256  # EAGLE-3's window (a PARD learner keeps whole prompts)
     assert st["learner"]["replayed_tokens"] > 0 and st["learner"]["supervised"] > 0  # what the steps carried
 
 

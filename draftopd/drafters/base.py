@@ -117,6 +117,11 @@ class Drafter(Protocol):
     @classmethod
     def from_state(cls, config: dict, state: dict[str, torch.Tensor], target) -> Drafter: ...
 
+    learner_context: ClassVar[int]
+    """Prompt tokens the serving fleet's learner keeps before a response (its last ones). A drafter that reads the
+    target's states learns from a bounded window; one that reads nothing but its tokens (PARD) learns what a long
+    prompt does to it only from the whole prompt, so its window is the serving length."""
+
     live_push: ClassVar[bool]
     """Whether a running vLLM engine takes this family's new weights in place (a push); otherwise a new engine."""
 

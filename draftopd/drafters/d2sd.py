@@ -191,6 +191,7 @@ class D2SDDrafter(nn.Module):
 
     formats: ClassVar[tuple[str, ...]] = ()
     scores_rows: ClassVar[bool] = False  # Draft-OPD does not replay D²SD
+    learner_context: ClassVar[int] = 256  # not replayed by Draft-OPD; the window of those that are
     live_push: ClassVar[bool] = False  # not served by vLLM
 
     @staticmethod

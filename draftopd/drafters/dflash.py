@@ -359,6 +359,7 @@ class DFlashDrafter(nn.Module):
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
     scores_rows: ClassVar[bool] = True  # each block attends to the context alone: a row costs what it reads
+    learner_context: ClassVar[int] = 256  # measured to learn from this window (docs/serving.md)
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_dflash.py pushes, decodes)
 
     @staticmethod

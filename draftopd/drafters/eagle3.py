@@ -372,6 +372,7 @@ class Eagle3Drafter(nn.Module):
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
     scores_rows: ClassVar[bool] = False  # the TTT chain attends to every earlier row's own states
+    learner_context: ClassVar[int] = 256  # measured to learn from this window (docs/serving.md)
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_vllm_backend.py)
 
     @staticmethod

@@ -357,6 +357,7 @@ class PardDrafter(nn.Module):
 
     formats: ClassVar[tuple[str, ...]] = FORMATS
     scores_rows: ClassVar[bool] = True  # a mask sees the real tokens and its own chain: rows are independent
+    learner_context: ClassVar[int] = 2048  # reads its tokens alone: a cut prompt misleads it (docs/serving.md)
     live_push: ClassVar[bool] = True  # through vLLM's weight-transfer calls (tests/test_pard_vllm.py pushes, decodes)
 
     @staticmethod

@@ -10,9 +10,12 @@ only a promoted one is returned to the fleet, which pushes it. Operators' pushes
 guard, so no model object is ever shared between threads: this object lives in one process (the fleet's learner
 actor) and its calls run one at a time.
 
-A step's cost does not grow with the prompt: a trajectory keeps at most `context_tokens` of its prompt before the
-response (the target re-runs over the row on every step), with its steps' positions moved to match, and a family
-that `scores_rows` (DFlash, PARD) runs the drafter on the response's rows alone (opd's `replay_forward`).
+A step's cost does not grow with the prompt beyond what the loss needs: a trajectory keeps at most `context_tokens`
+of its prompt before the response (the target re-runs over the row on every step), with its steps' positions moved
+to match, and a family that `scores_rows` (DFlash, PARD) runs the drafter on the response's rows alone (opd's
+`replay_forward`). The window is the family's `learner_context` unless told: 256 tokens for the drafters that read
+the target's states, the serving length for PARD, which reads its own tokens alone and, trained on cut prompts,
+gets worse at the whole prompts it serves (docs/serving.md). The held-out slice is cut the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class FleetLearner:
         # what the steps carried: rows' tokens (the passes' length) and the loss's supervised (position, depth)
         # cells; a long prompt makes steps slower but its long response makes each carry more
         self.replayed_tokens = self.supervised = 0
+        self.context = settings.context_tokens  # the prompt tokens kept (0 until setup: the family's own)
 
     def setup(self, version: int = 0) -> dict:
         """Build the DeepSpeed learner (world size 1) and the buffer; the incumbent is the initial drafter."""
@@ -71,12 +75,13 @@ class FleetLearner:
         self.loss_cfg, self.decay = opd_loss_config(cfg), cfg.decay
         self.incumbent = clone_drafter(self.role.engine.module, self.role.target).eval()
         self.version = version
-        return {"device": str(self.role.device), "pid": self.role.pid()}
+        self.context = self.s.context_tokens or type(self.incumbent).learner_context
+        return {"device": str(self.role.device), "pid": self.role.pid(), "context_tokens": self.context}
 
     def add(self, trajs: list[Trajectory]) -> dict:
         """Traffic in: every `holdout_every`-th trajectory to the held-out slice, the rest to the replay buffer."""
         for t in trajs:
-            t = clip_context(t, self.s.context_tokens)
+            t = clip_context(t, self.context)
             self.num_added += 1
             if self.num_added % self.holdout_every == 0:
                 self.held.append(t)
@@ -103,7 +108,8 @@ class FleetLearner:
         states = self.buffer.sample(self.s.batch_size, self.version)
         t = time.monotonic()
         s = self.s
-        m = self.role.opd_step(states, s.num_draft_tokens, self.decay, s.max_seq_len, self.loss_cfg, s.lr)
+        max_len = self.context + s.response_tokens
+        m = self.role.opd_step(states, s.num_draft_tokens, self.decay, max_len, self.loss_cfg, s.lr)
         dt = time.monotonic() - t
         self.step_seconds += dt
         self._since_s += dt
@@ -168,4 +174,5 @@ class FleetLearner:
             "replayed_tokens": self.replayed_tokens,
             "supervised": self.supervised,
             "version": self.version,
+            "context_tokens": self.context,
         }

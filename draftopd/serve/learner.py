@@ -68,10 +68,13 @@ class LearnerSettings:
     num_draft_tokens: int = 4
     """K the guard decodes with: the server's."""
     max_seq_len: int = 384
-    """Tokens kept per replayed trajectory."""
-    context_tokens: int = 256
-    """The fleet's learner keeps at most this many prompt tokens before a trajectory's response (its step cost
-    stays flat on long prompts)."""
+    """Tokens kept per replayed trajectory (the one-process server's learner; the fleet's keeps `context_tokens`
+    and `response_tokens`)."""
+    context_tokens: int = 0
+    """The fleet's learner keeps at most this many prompt tokens before a trajectory's response, its last ones (its
+    step cost stays flat on long prompts); 0: the family's `learner_context` (256; PARD 2048)."""
+    response_tokens: int = 512
+    """... and at most this many response tokens after them."""
     poll_s: float = 0.5
     """Pause when there is no budget or traffic yet."""
     retry_s: float = 5.0

@@ -93,6 +93,7 @@ def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, 
         "learner_step_seconds": learner.get("step_seconds"),  # the fleet's learner: time inside its steps
         "learner_replayed_tokens": learner.get("replayed_tokens"),  # the fleet's learner: rows' tokens
         "learner_supervised": learner.get("supervised"),  # and the loss's supervised (position, depth) cells
+        "learner_context_tokens": learner.get("context_tokens"),  # the fleet's learner: prompt tokens it keeps
         "promotions": learner.get("promotions", 0),
         "rejections": learner.get("rejections", 0),
         "learner_errors": learner.get("errors", 0),

@@ -78,6 +78,7 @@ def test_fifo_eviction_is_counted():
         "num_sampled": 6,
         "num_replayed_once": 4,  # (1, 0..2) in the first look, (2, 0) in the second
         "num_discarded_unreplayed": 2,  # (0, 0) and (0, 1), evicted before anyone looked
+        "num_withdrawn": 0,
         "replayed_share": 4 / 6,
     }
 

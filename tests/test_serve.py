@@ -396,7 +396,7 @@ def test_a_restart_resumes_the_last_promoted_version_and_the_buffer(server, toy)
     assert Path(drafter_dir) == server.run / "versions" / "v2"
     stats = session.buffer.stats()
     assert stats["trajectories"] == before["buffer"]["trajectories"] and stats["added"] == before["buffer"]["added"]
-    first = [t for t in session.buffer.train_sample(10_000) if t.policy_version == 0 and t.temperature == 0.0]
+    first = [t for t in session.buffer.training() if t.policy_version == 0 and t.temperature == 0.0]
     assert _native_records_match(toy, first[:4]) == 4
 
 

@@ -8,7 +8,6 @@ trained for: the toy prompts rendered with thinking off.
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 
@@ -16,13 +15,15 @@ import pytest
 import torch
 
 from draftopd.data.prompts import encode_chats, toy_prompts
-from draftopd.drafters import load_drafter
+from draftopd.drafters import clone_drafter, load_drafter
 from draftopd.engine.speculative import SpeculativeEngine
 from draftopd.eval.acceptance import acceptance_stats
 from draftopd.loading import eos_ids, load_target, load_tokenizer, resolve_drafter_path
 from draftopd.messages import SamplingConfig, Trajectory, VerificationStep
+from draftopd.opd.buffer import ReplayBuffer
+from draftopd.schema import BufferConfig
 from draftopd.serve.guard import judge, t_quantile
-from draftopd.serve.learner import LearnerSettings, ServeLearner, candidate_due, clone_drafter
+from draftopd.serve.learner import LearnerSettings, ServeLearner, candidate_due, feed
 from draftopd.serve.traffic import TrafficBuffer
 from draftopd.serve.versions import VersionStore
 
@@ -47,12 +48,33 @@ def test_buffer_holds_out_every_nth_and_drops_the_oldest_first():
     s = buf.stats()
     assert s["trajectories"] == 10 and s["added"] == 23 and s["dropped"] == 13
     held = [t.prompt_ids[0] for t in buf.holdout(10)]
-    kept = held + [t.prompt_ids[0] for t in buf.train_sample(100)]
+    kept = held + [t.prompt_ids[0] for t in buf.training()]
     assert sorted(kept) == list(range(13, 23))  # the newest 10, in both slices together
     assert held == [14, 19] and buf.holdout(1)[0].prompt_ids == [19]
-    for seed in range(20):  # the learner's draws never reach the held-out slice
-        assert not {t.prompt_ids[0] for t in buf.train_sample(3, random.Random(seed))} & set(held)
+    # what the learner takes never reaches the held-out slice: the training slice since an arrival number
+    new, cursor = buf.train_since(17)
+    assert [t.prompt_ids[0] for t in new] == [17, 18, 20, 21, 22] and cursor == 23 and buf.num_gone() == 13
+    assert buf.train_since(cursor)[0] == [] and not {t.prompt_ids[0] for t in buf.train_since(0)[0]} & set(held)
     assert buf.new_tokens_since(3 * 8) == 3 * 15
+
+
+def test_the_learner_samples_opds_replay_buffer_which_holds_only_what_the_traffic_buffer_still_holds():
+    """The learner's replay buffer is fed from the training slice, and what the traffic buffer drops for room or
+    expires leaves it too: the retention and the capacity bound what is trained on."""
+    buf = TrafficBuffer(capacity=10, holdout_every=5, retention_s=60)
+    replay = ReplayBuffer(BufferConfig(capacity=10**9, max_staleness=10**9, include_accepted_steps=True))
+    buf.add([traj(i) for i in range(8)] + [traj(99, 1)])  # the last has no verification step: nothing to learn
+    cursor, gone = feed(replay, buf, 0, -1)
+    names = lambda: sorted({s.trajectory.prompt_ids[0] for s in replay.sample_trajectories(100, 0)})  # noqa: E731
+    assert names() == [0, 1, 2, 3, 5, 6, 7] and len(replay) == 14  # two steps each; 4 held out, 99 has none
+    buf.add([traj(i) for i in range(10, 14)])  # 3 dropped for room (0, 1, 2); 10 is the 10th: held out
+    cursor, gone = feed(replay, buf, cursor, gone)
+    assert names() == [3, 5, 6, 7, 11, 12, 13] and replay.stats()["num_withdrawn"] == 6 and gone == 3
+    for rec in buf._train:  # an hour old: past the retention
+        if rec.trajectory.prompt_ids[0] < 10:
+            rec.added_at -= 3600
+    cursor, gone = feed(replay, buf, cursor, gone)
+    assert names() == [11, 12, 13] and cursor == 13 and feed(replay, buf, cursor, gone) == (13, gone)
 
 
 def test_buffer_is_consistent_under_concurrent_writers_and_readers():
@@ -64,7 +86,7 @@ def test_buffer_is_consistent_under_concurrent_writers_and_readers():
 
     def read():
         for _ in range(300):
-            buf.train_sample(8)
+            buf.train_since(0)
             buf.holdout(5)
             buf.stats()
 
@@ -86,9 +108,7 @@ def test_buffer_round_trip_keeps_token_ids_only_and_applies_retention(tmp_path):
     assert "secret" not in text  # keep_text off: ids only
     back = TrafficBuffer.load(tmp_path, capacity=20, holdout_every=3)
     assert [t.to_dict() for t in back.holdout(10)] == [t.to_dict() for t in buf.holdout(10)]
-    assert sorted(json.dumps(t.to_dict()) for t in back.train_sample(50)) == sorted(
-        json.dumps(t.to_dict()) for t in buf.train_sample(50)
-    )
+    assert [t.to_dict() for t in back.training()] == [t.to_dict() for t in buf.training()]
     assert back.stats() == buf.stats()
     back.add([traj(7)])
     assert len(back.holdout(10)) == len(buf.holdout(10))  # the held-out count continues: 8th is not held out

@@ -102,6 +102,13 @@ def read_checkpoint(path: str | Path, kind: str = "") -> tuple[str, dict, dict[s
     return found, config, read_tensors(path)
 
 
+def clone_drafter(drafter, target):
+    """An independent copy of `drafter` (its own tensors), bound to `target` as a loaded one is."""
+    fam = family(drafter.kind)
+    state = {k: v.detach().clone() for k, v in drafter.state().items()}
+    return fam.from_state(fam.read_config(drafter.config()), state, target)
+
+
 def load_drafter(path: str | Path, target, kind: str = ""):
     """The drafter in `path`, bound to `target` (whose embedding it may share); checks that the two fit."""
     found, config, tensors = read_checkpoint(path, kind)

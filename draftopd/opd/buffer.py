@@ -29,6 +29,7 @@ _COUNTERS = (
     "num_sampled",
     "num_replayed_once",  # distinct states sampled at least once
     "num_discarded_unreplayed",  # states evicted or discarded as stale before any sampling
+    "num_withdrawn",  # states whose trajectory its source no longer holds (`retain`)
 )
 
 
@@ -74,6 +75,17 @@ class ReplayBuffer:
         self._forget(stale)
         self.num_stale_discarded += len(stale)
         return len(stale)
+
+    def retain(self, keep) -> int:
+        """Keep only the states whose trajectory `keep(trajectory)` accepts (a source that drops or expires
+        trajectories, as serving's store does, withdraws them here); returns how many left."""
+        kept, gone = [], []
+        for s in self._states:
+            (kept if keep(s.trajectory) else gone).append(s)
+        self._states = kept
+        self._forget(gone)
+        self.num_withdrawn += len(gone)
+        return len(gone)
 
     def sample(self, n: int, current_version: int) -> list[ErrorState]:
         """`n` states (after pruning), without replacement when enough are held; they stay in the buffer."""

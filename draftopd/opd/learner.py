@@ -125,20 +125,27 @@ class DraftLearner:
 
         return ray.util.get_node_ip_address()
 
-    def setup(self, micro_batch: int = 8, master: tuple[str, int] | None = None) -> None:
+    def setup(self, micro_batch: int = 8, master: tuple[str, int] | None = None, target=None, initial=None) -> None:
+        """`target`: a TargetModel already loaded on this rank's device to use instead of loading the spec's (the
+        one-process server's learner shares its process's); `initial`: a drafter to start from (a copy of it)
+        instead of the spec's `init_path`."""
         import deepspeed
 
         if master is not None:
             self.master = tuple(master)
+        from draftopd.drafters import clone_drafter
         from draftopd.loading import load_target
 
         torch.set_num_threads(self.spec.num_threads)
         torch.manual_seed(self.spec.seed)  # every rank draws the same fresh drafter
         self.device = device = learner_device()
         _init_distributed(self.rank, self.world_size, *self.master, "nccl" if device.type == "cuda" else "gloo")
-        self.target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
+        if target is None:
+            target = load_target(self.spec.target_path, self.spec.aux_layer_ids, self.spec.target_dtype)
+        self.target = target
         self.target.model.to(device)
-        self.drafter = drafter = self._initial_drafter().to(device)
+        drafter = self._initial_drafter() if initial is None else clone_drafter(initial, target)
+        self.drafter = drafter = drafter.to(device)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=drafter, model_parameters=params, config=deepspeed_config(self.spec, micro_batch)
@@ -248,6 +255,17 @@ class DraftLearner:
         if self.spec.init_path:
             return load_drafter(self.spec.init_path, self.target, self.spec.drafter.kind)
         return new_drafter(self.spec.drafter, self.target, torch.tensor(self.spec.draft_vocab))
+
+    def snapshot(self):
+        """The drafter as it is now: an independent model (its weights copied to the CPU) bound to this rank's
+        target, in eval mode; rank 0 only (all ranks are called under ZeRO-3)."""
+        from draftopd.drafters import family
+
+        state = self.weights()
+        if state is None:
+            return None
+        fam = family(self.engine.module.kind)
+        return fam.from_state(fam.read_config(self.drafter_config()), state, self.target).eval()
 
     def drafter_config(self) -> dict:
         """The drafter's config.json: what the driver names in a WeightUpdate (shape, not weights)."""

@@ -59,11 +59,11 @@ class FleetLearner:
 
     def setup(self, version: int = 0) -> dict:
         """Build the DeepSpeed learner (world size 1) and the buffer; the incumbent is the initial drafter."""
+        from draftopd.drafters import clone_drafter
         from draftopd.opd.buffer import ReplayBuffer
         from draftopd.opd.learner import DraftLearner
         from draftopd.opd.replay import opd_loss_config
         from draftopd.schema import BufferConfig, LearnerConfig
-        from draftopd.serve.learner import clone_drafter
         from draftopd.serve.replica import free_port
 
         port = free_port()
@@ -118,18 +118,11 @@ class FleetLearner:
         self.supervised += int(m.get("num_accepted_tokens", 0)) + int(m.get("num_rejected_tokens", 0))
         return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
-    def _snapshot(self):
-        from draftopd.drafters import family
-
-        fam = family(self.role.engine.module.kind)
-        config = fam.read_config(self.role.drafter_config())
-        return fam.from_state(config, self.role.weights(), self.role.target).eval()
-
     def _candidate(self) -> dict | None:
         held = list(self.held)[-self.s.holdout_n :]
         if len(held) < self.s.min_holdout:
             return None
-        snapshot = self._snapshot()
+        snapshot = self.role.snapshot()
         self.candidates += 1
         verdict = self._judge(snapshot, held)
         self.last_verdict = verdict.evidence()

@@ -1,13 +1,15 @@
 """ServeLearner: trains the drafter on the traffic it serves, beside the server, and proposes better versions.
 
 Serving is already Draft-OPD's rollout: every request is target-assisted speculative decoding whose
-verification steps the recording hook keeps. The learner replays those trajectories with the family's Draft-OPD
-loss (`opd_loss` over `build_replay_batch`, a whole trajectory per row, the recipe defaults of
-`LearnerConfig`) on a private copy of the drafter, in a daemon thread of the server's process, one
-optimizer step at a time within a budget: at most `steps_per_1k_tokens` steps per 1,000 output tokens served
-since it started, on `threads` torch threads. Every `candidate_every` steps a snapshot goes to the guard
-against the serving drafter on the buffer's held-out slice; a promoted snapshot is handed to `propose` (the
-server pushes it live and calls `set_incumbent`). Every verdict and every error goes to `log`.
+verification steps are recorded. So the learner is `opd/`'s learner role, as the fleet's is: the traffic's
+training slice feeds opd's `ReplayBuffer` (whole trajectories sampled uniformly; what the traffic buffer drops or
+expires is withdrawn from it too), and each step is `DraftLearner.opd_step` (the family's Draft-OPD loss, the
+recipe defaults of `LearnerConfig`, a DeepSpeed step of world size 1) on a copy of the serving drafter, in a
+daemon thread of the server's process, over the server's torch target, one step at a time within a budget: at
+most `steps_per_1k_tokens` steps per 1,000 output tokens served since it started, on `threads` torch threads.
+Every `candidate_every` steps a snapshot goes to the guard against the serving drafter on the buffer's held-out
+slice; a promoted snapshot is handed to `propose` (the server pushes it live and calls `set_incumbent`). Every
+verdict and every error goes to `log`. The fleet runs the same role in a process of its own (fleet_learner.py).
 
 A learner never takes serving down: an exception inside the loop is logged, counted and retried after a pause,
 and `kill()` ends the thread at once from outside. Note that torch's thread count is process-wide: `threads`
@@ -16,10 +18,10 @@ sets it for the whole process (the API server's, whose engine core runs in a pro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
-import math
-import random
+import os
 import threading
 import time
 import traceback
@@ -28,12 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftopd.drafters import family
-from draftopd.messages import ErrorState
-from draftopd.opd.replay import build_replay_batch, opd_loss, opd_loss_config, target_to_draft_index
+from draftopd.opd.replay import opd_loss_config
 from draftopd.schema import LearnerConfig
 from draftopd.serve.guard import Verdict, judge
 from draftopd.serve.traffic import TrafficBuffer
+
+# the rendezvous variables a learner role's process group is set up with (opd/learner.py)
+RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -90,13 +93,6 @@ def candidate_due(settings: LearnerSettings, steps: int, seconds_since: float) -
     return steps % settings.candidate_every == 0 or seconds_since >= settings.candidate_every_s
 
 
-def clone_drafter(drafter, target):
-    """An independent copy of `drafter` (its own tensors), bound to `target` as a loaded one is."""
-    fam = family(drafter.kind)
-    state = {k: v.detach().clone() for k, v in drafter.state().items()}
-    return fam.from_state(fam.read_config(drafter.config()), state, target)
-
-
 class ServeLearner:
     """The learner thread. `target` is the learner's own TargetModel: it records hidden states as it runs, so no
     other thread may run it without holding `model_lock`. `log(record, step)` receives dicts with an `event` key
@@ -120,7 +116,8 @@ class ServeLearner:
         self.model_lock = model_lock or threading.Lock()
         self.propose, self.log, self.eos = propose, log, list(eos or [])
         self._incumbent = incumbent_drafter
-        self._drafter = None  # the private copy, made in the thread (start() stays cheap)
+        self._role = None  # opd's DraftLearner over a copy of the incumbent, made in the thread (start() stays cheap)
+        self._replay = None  # opd's ReplayBuffer, fed from the traffic's training slice
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -183,7 +180,6 @@ class ServeLearner:
     def _loop(self) -> None:
         torch.set_num_threads(self.s.threads)
         torch.manual_seed(self.s.seed)
-        self._rng = random.Random(self.s.seed)
         while not self._stop.is_set():
             try:
                 worked = self._tick()
@@ -214,10 +210,10 @@ class ServeLearner:
         if self.steps >= self._budget() or self.traffic.num_trainable() < self.s.min_traffic:
             return False
         with self._lock:
-            fresh, self._reset = self._drafter is None or self._reset, False
+            fresh, self._reset = self._role is None or self._reset, False
         with self.model_lock:
             if fresh:
-                self._start_copy()
+                self._start_role()
             metrics = self._step()
             self.steps += 1
             self._emit({"event": "step", **metrics})
@@ -227,42 +223,37 @@ class ServeLearner:
                 self._candidate()
         return True
 
-    def _start_copy(self) -> None:
+    def _start_role(self) -> None:
+        """opd's learner role on this thread: a DraftLearner of world size 1 over the server's target, starting from
+        the serving drafter (again after a reset), and the replay buffer it samples (made once)."""
+        from draftopd.opd.buffer import ReplayBuffer
+        from draftopd.opd.learner import DraftLearner, LearnerSpec
+        from draftopd.schema import BufferConfig, DrafterConfig
+        from draftopd.serve.replica import free_port
+
         with self._lock:
             incumbent = self._incumbent
-        self._drafter = clone_drafter(incumbent, self.target)
-        self._loss_cfg = opd_loss_config(dataclasses.replace(LearnerConfig(), **self.s.loss))
-        self._decay = self.s.loss.get("decay", LearnerConfig().decay)
-        params = [p for p in self._drafter.parameters() if p.requires_grad]
-        self._opt = torch.optim.AdamW(params, lr=self.s.lr, betas=(0.9, 0.95))
-        self._t2d = target_to_draft_index(self._drafter.draft_to_target_ids(), self.target.vocab_size)
+        spec = LearnerSpec("", list(self.target.aux_layer_ids), "", DrafterConfig(kind=incumbent.kind))
+        spec.lr, spec.num_threads, spec.seed = self.s.lr, self.s.threads, self.s.seed
+        role = DraftLearner(spec, 0, 1, "127.0.0.1", free_port())
+        with rendezvous_env_kept():  # the server's environment stays vLLM's (an engine restarted later inherits it)
+            role.setup(micro_batch=self.s.batch_size, target=self.target, initial=incumbent)
+        self._role = role
+        cfg = dataclasses.replace(LearnerConfig(), **self.s.loss)
+        self._loss_cfg, self._decay = opd_loss_config(cfg), cfg.decay
+        if self._replay is None:
+            # every step of every trajectory, never stale (serving's versions are not policy versions to retire);
+            # its capacity is the traffic buffer's, which bounds it through `feed`
+            size = BufferConfig(capacity=10**9, max_staleness=10**9, include_accepted_steps=True, seed=self.s.seed)
+            self._replay, self._cursor, self._gone = ReplayBuffer(size), 0, -1
 
     def _step(self) -> dict:
-        """One Draft-OPD step on a uniform sample of the training slice (whole trajectories)."""
-        trajs = self.traffic.train_sample(self.s.batch_size, self._rng)
-        cfg, depth = self._loss_cfg, self.s.num_draft_tokens
-        states = [ErrorState(t, 0, t.policy_version) for t in trajs]
-        batch = build_replay_batch(
-            states,
-            self._t2d,
-            depth,
-            self._decay,
-            self.s.max_seq_len,
-            accepted_rows=cfg.accepted_rows,
-            unit="trajectory",
-            rejected_offsets=cfg.rejected_offsets,
-        )
-        t0 = time.perf_counter()
-        self._drafter.train()
-        loss, m = opd_loss(self._drafter, self.target, batch, cfg)
-        value = loss.item()
-        if not math.isfinite(value):
-            return {"loss": value, "skipped_nonfinite": 1}
-        self._opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self._drafter.parameters(), 1.0)
-        self._opt.step()
-        return {"loss": value, "grad_norm": float(norm), "seconds": time.perf_counter() - t0, **_numbers(m)}
+        """One Draft-OPD step (opd's role) on a uniform sample of whole trajectories of the training slice."""
+        self._cursor, self._gone = feed(self._replay, self.traffic, self._cursor, self._gone)
+        states = self._replay.sample_trajectories(self.s.batch_size, 0)
+        s, t0 = self.s, time.perf_counter()
+        m = self._role.opd_step(states, s.num_draft_tokens, self._decay, s.max_seq_len, self._loss_cfg, s.lr)
+        return {**_numbers(m), "seconds": time.perf_counter() - t0}
 
     def _candidate(self) -> None:
         """Guard a snapshot against the serving drafter; propose it when promoted."""
@@ -272,7 +263,7 @@ class ServeLearner:
             return
         with self._lock:
             incumbent = self._incumbent
-        snapshot = clone_drafter(self._drafter, self.target).eval()
+        snapshot = self._role.snapshot()
         self.candidates += 1
         k, s = self.s.num_draft_tokens, self.s
         verdict = judge(
@@ -287,6 +278,33 @@ class ServeLearner:
             return
         self.propose(snapshot, verdict)
         self.promotions += 1
+
+
+def feed(replay, traffic: TrafficBuffer, cursor: int, gone: int) -> tuple[int, int]:
+    """The traffic's training trajectories recorded since arrival number `cursor` into opd's `replay` buffer, after
+    withdrawing from it those the traffic buffer no longer holds (dropped for room or expired) when its count of
+    them is no longer `gone`; returns the (cursor, gone) to call with next."""
+    now_gone = traffic.num_gone()
+    if now_gone != gone:
+        held = {id(t) for t in traffic.training()}
+        replay.retain(lambda t: id(t) in held)
+    new, cursor = traffic.train_since(cursor)
+    replay.add([t for t in new if t.steps])
+    return cursor, now_gone
+
+
+@contextlib.contextmanager
+def rendezvous_env_kept():
+    """Restore the process's rendezvous variables (RENDEZVOUS_ENV) as they were once the block ends."""
+    before = {k: os.environ.get(k) for k in RENDEZVOUS_ENV}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _numbers(m: dict) -> dict:

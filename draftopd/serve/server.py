@@ -64,7 +64,7 @@ def open_session(s: ServeSettings) -> tuple[ServeSession, str]:
             f"--learning on: a '{kind}' drafter cannot take live weight pushes in vLLM; serve it with --learning off"
         )
     buffer = TrafficBuffer.load(
-        run / "traffic", s.buffer_capacity, keep_text=s.keep_text, seed=s.seed, retention_s=s.retention_s or 0.0
+        run / "traffic", s.buffer_capacity, keep_text=s.keep_text, retention_s=s.retention_s or 0.0
     )
     return ServeSession(s, kind, spec["method"], store, buffer, version, history), str(path)
 

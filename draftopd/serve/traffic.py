@@ -7,6 +7,10 @@ judges candidates on it, so a candidate is never scored on requests it learned f
 than that is kept (in memory or on disk). One lock guards everything: the server's recording task adds, the
 learner's thread reads.
 
+This is serving's store, not the learner's sampler: the learner takes the training slice's new trajectories
+(`train_since`) into opd's replay buffer and samples there, and withdraws from it what this store no longer
+holds (`training`), so the retention and the capacity bound what it trains on too.
+
 On disk (`save`/`load`, so a restarted server resumes its buffer) each trajectory is one JSON line: its
 `Trajectory.to_dict()` with the slice, the time it was recorded, its traffic domain and, only with
 `keep_text`, its text.
@@ -15,7 +19,6 @@ On disk (`save`/`load`, so a restarted server resumes its buffer) each trajector
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections import deque
@@ -53,7 +56,6 @@ class TrafficBuffer:
         capacity: int,
         holdout_every: int = 5,
         keep_text: bool = False,
-        seed: int = 0,
         retention_s: float = 0.0,
     ):
         if capacity < 2 or holdout_every < 2:
@@ -63,7 +65,6 @@ class TrafficBuffer:
         self._train: deque[Record] = deque()
         self._held: deque[Record] = deque()
         self._lock = threading.Lock()
-        self._rng = random.Random(seed)
         self.num_added = self.num_dropped = self.num_expired = 0
         self.tokens_recorded = 0  # output tokens ever added: the learner's budget counts from it
 
@@ -104,15 +105,25 @@ class TrafficBuffer:
 
     # -- reading ------------------------------------------------------------------------------------
 
-    def train_sample(self, n: int, rng: random.Random | None = None, with_steps: bool = True) -> list[Trajectory]:
-        """Up to `n` distinct training trajectories drawn uniformly; `with_steps`: only those with at least one
-        verification step (a one-token answer has none and teaches nothing)."""
+    def training(self) -> list[Trajectory]:
+        """Every trajectory of the training slice held now (oldest first), those without a verification step too."""
         with self._lock:
             self._expire(time.time())
-            pool = [r.trajectory for r in self._train if r.trajectory.steps or not with_steps]
-        if len(pool) <= n:
-            return pool
-        return (rng or self._rng).sample(pool, n)
+            return [r.trajectory for r in self._train]
+
+    def train_since(self, seq: int) -> tuple[list[Trajectory], int]:
+        """(the training slice's trajectories recorded at or after arrival number `seq` and still held, oldest
+        first; the `seq` to ask with next time)."""
+        with self._lock:
+            self._expire(time.time())
+            return [r.trajectory for r in self._train if r.seq >= seq], self.num_added
+
+    def num_gone(self) -> int:
+        """Trajectories that left the buffer (dropped for room or expired) since it began: a reader holding copies
+        of its contents re-checks them when this changes."""
+        with self._lock:
+            self._expire(time.time())
+            return self.num_dropped + self.num_expired
 
     def holdout(self, n: int) -> list[Trajectory]:
         """The newest `n` held-out trajectories (oldest first): the guard's evidence, never trained on."""

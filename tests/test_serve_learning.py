@@ -271,6 +271,15 @@ def test_learner_improves_tau_on_shifted_traffic_and_the_guard_promotes_it(toy, 
     print(f"thinking-off tau {before:.3f} -> {after:.3f} after {verdict_step(log)} steps; {verdict.reason}")
     assert after > 1.1 * before
     assert learner.counters()["promotions"] == 1 and not learner.alive() and learner.errors == 0
+    assert _no_process_group_left()  # the role's group and DeepSpeed's cached groups went with the thread
+
+
+def _no_process_group_left() -> bool:
+    """No torch process group and no DeepSpeed group cached in this process: a later DeepSpeed run here starts clean."""
+    from deepspeed.utils import groups
+
+    cached = [n for n, v in vars(groups).items() if n.isupper() and n.endswith("_GROUP") and v]
+    return not torch.distributed.is_initialized() and not cached
 
 
 def test_an_operators_verdict_taken_while_the_learner_steps_is_the_one_it_gets_alone(toy, learner_target):
@@ -395,7 +404,7 @@ def test_killing_the_learner_leaves_the_caller_and_the_serving_drafter_alone(toy
     assert wait_for(lambda: learner.steps >= 1, 60)
     learner.kill()
     learner._thread.join(10)
-    assert not learner.alive()
+    assert not learner.alive() and _no_process_group_left()
     n = len(log.rows)
     time.sleep(0.3)
     assert len(log.rows) == n  # nothing after the kill

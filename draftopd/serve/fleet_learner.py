@@ -64,7 +64,7 @@ class FleetLearner:
         from draftopd.opd.learner import DraftLearner
         from draftopd.opd.replay import opd_loss_config
         from draftopd.schema import BufferConfig, LearnerConfig
-        from draftopd.serve.replica import free_port
+        from draftopd.serve.settings import free_port
 
         port = free_port()
         self.role = DraftLearner(self.spec, 0, 1, "127.0.0.1", port)

@@ -176,6 +176,16 @@ class ServeLearner:
             self._loop()
         except SystemExit:  # kill(): the thread ends where it was
             pass
+        finally:
+            self._close_role()
+
+    def _close_role(self) -> None:
+        """Undo the role's process group and DeepSpeed's cached groups: the server's process is left as found (an
+        engine restarted in it, or a later learner, would otherwise trip over a destroyed group)."""
+        role, self._role = self._role, None
+        if role is not None:
+            with rendezvous_env_kept():
+                role.close()
 
     def _loop(self) -> None:
         torch.set_num_threads(self.s.threads)
@@ -229,10 +239,11 @@ class ServeLearner:
         from draftopd.opd.buffer import ReplayBuffer
         from draftopd.opd.learner import DraftLearner, LearnerSpec
         from draftopd.schema import BufferConfig, DrafterConfig
-        from draftopd.serve.replica import free_port
+        from draftopd.serve.settings import free_port
 
         with self._lock:
             incumbent = self._incumbent
+        self._close_role()  # a reset starts a new role: the old one's group goes first
         spec = LearnerSpec("", list(self.target.aux_layer_ids), "", DrafterConfig(kind=incumbent.kind))
         spec.lr, spec.num_threads, spec.seed = self.s.lr, self.s.threads, self.s.seed
         role = DraftLearner(spec, 0, 1, "127.0.0.1", free_port())

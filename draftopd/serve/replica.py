@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftopd.serve.settings import ServeSettings
+from draftopd.serve.settings import ServeSettings, free_port
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -237,15 +237,6 @@ class AttachedReplica(Replica):
 
     def tail(self, lines: int = 12) -> str:
         return ""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS picks it)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_owner() -> None:

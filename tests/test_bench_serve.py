@@ -189,6 +189,43 @@ def test_merge_pools_the_seeds_of_runs_with_the_same_settings(tmp_path, capsys):
         main(["bench", "serve-adapt", "--merge", *map(str, paths), "--out", str(tmp_path / "y")])
 
 
+def test_an_isolated_baseline_arm_is_reported_beside_on_and_off(tmp_path):
+    """`--baseline-drafter`: a third arm, learning off, whose final tau gives on/baseline and baseline/off with
+    their intervals over seeds, in the table, the plot and the MLflow rows; a report written before the setting
+    existed still merges with one that has it empty."""
+    from draftopd.bench.serve_adapt import AdaptSettings, curve_plot, merge, mlflow_rows, summarise, table
+
+    def arm(taus):
+        curve = [{"requests": 40 * (i + 1), "tau": t, "promotions": 0} for i, t in enumerate(taus)]
+        lossless = {"checked": 2, "failures": 0, "first": [], "prompts_rendered_otherwise": 0}
+        return {"curve": curve, "final_tau": taus[-1], "learner_minutes": 0.0, "learner_steps": 0,
+                "learner_steps_per_minute": 0.0, "promotions": 0, "rejections": 0, "failed_requests": 0,
+                "lossless": lossless}  # fmt: skip
+
+    def seed(s):
+        on, off, base = arm([1.5, 2.4 + s / 10]), arm([1.5, 1.5]), arm([2.0, 2.0 + s / 20])
+        ratios = {"on_over_off": on["final_tau"] / 1.5, "on_over_base": on["final_tau"] / base["final_tau"]}
+        return {"on": on, "off": off, "base": base, **ratios, "base_over_off": base["final_tau"] / 1.5}
+
+    report = summarise({s: seed(s) for s in (0, 1, 2)}, AdaptSettings(seeds=(0, 1, 2), baseline="/r/iso/final"))
+    assert report["on_over_base"] == pytest.approx(sum((2.4 + s / 10) / (2.0 + s / 20) for s in (0, 1, 2)) / 3)
+    lo, hi = report["base_over_off_ci95"]
+    assert report["base_over_off"] == pytest.approx(2.05 / 1.5) and lo < report["base_over_off"] < hi
+    assert report["lossless_checked"] == 3 * 3 * 2 and set(report["final_tau"]) == {"on", "off", "base"}
+    text = table(report)
+    assert "on/baseline: " in text and "baseline/off: 1.367" in text and "isolated baseline iso" in text
+    assert {"on_over_base", "base_over_off", "final_tau/base"} <= {name for name, _, _ in mlflow_rows(report)}
+    curve_plot(report, tmp_path / "three.png")
+    assert (tmp_path / "three.png").stat().st_size > 10_000
+    plain = summarise(
+        {s: {k: v for k, v in seed(s).items() if "base" not in k} for s in (3,)}, AdaptSettings(seeds=(3,))
+    )
+    assert "on_over_base" not in plain and "on/baseline" not in table(plain)
+    old = json.loads(json.dumps(plain))
+    del old["settings"]["baseline"]  # written before the setting existed
+    assert merge([old, summarise({4: plain["seeds"]["3"]}, AdaptSettings(seeds=(4,)))])["settings"]["seeds"] == (3, 4)
+
+
 def test_the_versions_plot_draws_each_replicas_versions_and_only_for_a_fleet(tmp_path):
     from draftopd.bench.serve_load import versions_plot
 
@@ -216,6 +253,7 @@ def small_runs(tmp_path_factory):
     adapt = ["serve-adapt", "--seeds", "1", "--num-requests", "12", "--window", "6", "--rate", "0"]
     adapt += ["--max-new-tokens", "24", "--learner", "steps_per_1k_tokens=1000000", "min_traffic=2"]
     adapt += ["--replicas", "2"]  # a fleet (the default), and the one-process server for the load bench
+    adapt += ["--baseline-drafter", "toy"]  # the isolated baseline's arm: here the same drafter, learning off
     load = ["serve-load", "--duration-s", "4", "--num-prompts", "6", "--max-new-tokens", "24", "--replicas", "0"]
     procs = {"adapt": _bench(adapt, root / "adapt"), "load": _bench(load, root / "load")}
     codes = {name: p.wait(900) for name, p in procs.items()}
@@ -229,9 +267,9 @@ def test_serve_adapt_serves_every_request_losslessly_and_reads_live_tau(small_ru
     reports, root = small_runs
     r = reports["adapt"]
     assert r["failed_requests"] == 0 and r["lossless_failures"] == 0
-    assert r["lossless_checked"] == 2 * 12 and r["prompts_rendered_otherwise"] == 0
+    assert r["lossless_checked"] == 3 * 12 and r["prompts_rendered_otherwise"] == 0
     seed = r["seeds"]["1"]
-    for arm in ("on", "off"):
+    for arm in ("on", "off", "base"):
         curve = seed[arm]["curve"]
         assert [p["requests"] for p in curve] == [6, 12]
         assert all(1.0 <= p["tau"] <= 5.0 for p in curve), curve  # 1 + accepted/drafts, K = 4
@@ -239,6 +277,9 @@ def test_serve_adapt_serves_every_request_losslessly_and_reads_live_tau(small_ru
     assert seed["on"]["learner_steps"] > 0 and seed["off"]["learner_steps"] == 0  # the arms differ in learning only
     assert seed["on"]["learner_steps_per_minute"] > 0 and len(seed["on"]["replicas"]) == 2
     assert seed["on_over_off"] == pytest.approx(seed["on"]["final_tau"] / seed["off"]["final_tau"])
+    assert seed["base"]["learner_steps"] == 0 and r["settings"]["baseline"] == "toy"
+    assert seed["on_over_base"] == pytest.approx(seed["on"]["final_tau"] / seed["base"]["final_tau"])
+    assert r["base_over_off"] == pytest.approx(seed["base"]["final_tau"] / seed["off"]["final_tau"])
     assert r["on_over_off"] == pytest.approx(seed["on_over_off"]) and len(r["on_over_off_ci95"]) == 2
     assert (root / "adapt" / "live_tau_vs_requests.png").stat().st_size > 10_000
     assert (root / "adapt" / "mlflow.db").is_file()

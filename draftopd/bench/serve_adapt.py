@@ -16,6 +16,11 @@ Day 0 (`--drafter init:FAMILY --control-drafter FAMILY`): the learning arm start
 control serves the family's SFT drafter without learning, so on/off is the day-0 drafter's live tau as a
 fraction of the shipped one's on the same traffic.
 
+The isolated baseline (`--baseline-drafter DIR`): a third arm, learning off, serving a drafter trained offline on
+the target's own text for the traffic served (SFT with the traffic's chat template, at the serving temperature),
+on the same traffic: `on_over_base` says whether learning from traffic reaches what offline training on the
+right text gives, `base_over_off` what that text alone is worth.
+
 The arms' order alternates with the seed (on first for even seeds), so a slow drift of the machine's load does
 not favour one arm.
 """
@@ -31,6 +36,12 @@ from draftopd.bench.serve_process import BENCH_LEARNER, ServerProcess, serve_arg
 from draftopd.bench.serve_traffic import ChatClient, lossless_check, send_all, thinking, traffic_mix
 
 ARMS = ("on", "off")
+BASE = "base"  # the isolated baseline's arm, when there is one
+
+
+def arms_of(row: dict) -> tuple[str, ...]:
+    """The arms a seed's row holds: on and off, and the isolated baseline's when it was run."""
+    return ARMS + ((BASE,) if BASE in row else ())
 
 
 @dataclass
@@ -55,12 +66,14 @@ class AdaptSettings:
     settle_s: float = 0.2  # pause before reading counters after a window (the last step's stats to land)
     replicas: int = 2  # a fleet of this many vLLM replicas and a learner of its own; 0: the one-process server
     control: str = ""  # the learning-off arm's drafter ("": the same as the learning arm's); day 0: the shipped SFT
+    baseline: str = ""  # a third arm, learning off, with this drafter (the isolated baseline); "": none
 
 
 def run_arm(arm: str, seed: int, chats: list, expected: dict, s: AdaptSettings, out: Path, reference) -> dict:
     """One server, the seed's traffic in windows; the curve, the final status and the lossless check."""
-    drafter = s.control if arm == "off" and s.control else s.drafter
-    args = serve_args(s.target, drafter, s.num_draft_tokens, arm, s.learner, s.server_args, s.replicas)
+    drafter = {"off": s.control or s.drafter, BASE: s.baseline}.get(arm, s.drafter)
+    learning = "on" if arm == "on" else "off"
+    args = serve_args(s.target, drafter, s.num_draft_tokens, learning, s.learner, s.server_args, s.replicas)
     with ServerProcess(out / f"seed{seed}-{arm}", args) as server:
         client = ChatClient(server.url, s.max_tokens, thinking(s.shift), server.api_key)
         replies, curve = [], []
@@ -129,24 +142,34 @@ def run_adapt(traffic, reference, s: AdaptSettings, out: Path) -> dict:
     for seed in s.seeds:
         chats, expected = traffic(seed)
         reference.prepare(list(expected.values()))  # before serving: the reference does not compete for cores
-        order = ARMS if seed % 2 == 0 else ARMS[::-1]
+        names = ARMS + ((BASE,) if s.baseline else ())
+        order = names if seed % 2 == 0 else names[::-1]
         arms = {arm: run_arm(arm, seed, chats, expected, s, out, reference) for arm in order}
         ratio = arms["on"]["final_tau"] / arms["off"]["final_tau"]
-        seeds[seed] = {**{a: arms[a] for a in ARMS}, "on_over_off": ratio, "traffic_mix": traffic_mix(chats)}
+        seeds[seed] = {**{a: arms[a] for a in names}, "on_over_off": ratio, "traffic_mix": traffic_mix(chats)}
+        if s.baseline:
+            seeds[seed]["on_over_base"] = arms["on"]["final_tau"] / arms[BASE]["final_tau"]
+            seeds[seed]["base_over_off"] = arms[BASE]["final_tau"] / arms["off"]["final_tau"]
     return summarise(seeds, s)
 
 
 def summarise(seeds: dict, s: AdaptSettings) -> dict:
     """The report: per seed and arm the curves and figures; the headline ratio with its interval over seeds."""
     ratio, lo, hi = t_interval([r["on_over_off"] for r in seeds.values()])
-    arms = [r[a] for r in seeds.values() for a in ARMS]
+    arms = [r[a] for r in seeds.values() for a in arms_of(r)]
     diffs = [d for a in arms for d in a["lossless"]["first"]]
+    names = arms_of(next(iter(seeds.values())))
+    baseline = {}
+    for key in ("on_over_base", "base_over_off") if BASE in names else ():
+        mean, b_lo, b_hi = t_interval([r[key] for r in seeds.values()])
+        baseline |= {key: mean, f"{key}_ci95": [b_lo, b_hi]}
     return {
         "settings": asdict(s),
         "seeds": {str(k): v for k, v in seeds.items()},
-        "final_tau": {a: t_interval([r[a]["final_tau"] for r in seeds.values()]) for a in ARMS},
+        "final_tau": {a: t_interval([r[a]["final_tau"] for r in seeds.values()]) for a in names},
         "on_over_off": ratio,
         "on_over_off_ci95": [lo, hi],
+        **baseline,
         "requests_per_arm": s.num_requests,
         "learner_minutes": sum(r["on"]["learner_minutes"] for r in seeds.values()) / len(seeds),
         "learner_steps": [r["on"]["learner_steps"] for r in seeds.values()],
@@ -168,10 +191,11 @@ def merge(reports: list[dict]) -> dict:
     settings differ in anything but their seeds, or that share a seed, are refused, naming what differs."""
     if not reports:
         raise ValueError("nothing to merge")
-    first = {k: v for k, v in reports[0]["settings"].items() if k != "seeds"}
+    defaults = asdict(AdaptSettings())  # a report written before a setting existed had its default
+    first = {k: v for k, v in {**defaults, **reports[0]["settings"]}.items() if k != "seeds"}
     seeds: dict[int, dict] = {}
     for i, r in enumerate(reports):
-        other = {k: v for k, v in r["settings"].items() if k != "seeds"}
+        other = {k: v for k, v in {**defaults, **r["settings"]}.items() if k != "seeds"}
         differ = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
         if differ:
             raise ValueError(f"report {i + 1}'s settings differ from report 1's in {', '.join(differ)}")
@@ -208,6 +232,7 @@ def table(report: dict) -> str:
     lines = [
         f"serve-adapt ({where}, drafter {s['drafter']}"
         + (f", control arm's {s['control']}" if s.get("control") else "")
+        + (f", isolated baseline {drafter_label(s['baseline'])}" if s.get("baseline") else "")
         + f"): {s['num_requests']} requests per arm ({s['shift']}, "
         f"{s['domain'] or 'all domains'}), windows of {s['window']}, {s['concurrency']} clients, "
         f"K={s['num_draft_tokens']}, seeds {s['seeds']}"
@@ -227,6 +252,11 @@ def table(report: dict) -> str:
         )
     lo, hi = report["on_over_off_ci95"]
     lines.append(f"on/off (final window's live tau): {report['on_over_off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")
+    for key, name in (("on_over_base", "on/baseline"), ("base_over_off", "baseline/off")):
+        if key in report:
+            a, b = report[f"{key}_ci95"]
+            taus = " / ".join(f"{r[BASE]['final_tau']:.3f}" for r in report["seeds"].values())
+            lines.append(f"{name}: {report[key]:.3f}, 95% CI [{a:.3f}, {b:.3f}] (baseline's tau per seed {taus})")
     for n, m in report.get("milestones", {}).items():
         a, b = m["ci95"]
         lines.append(f"on/off at {n} requests: {m['on_over_off']:.3f}, 95% CI [{a:.3f}, {b:.3f}]")
@@ -253,10 +283,12 @@ def curve_plot(report: dict, out_png) -> None:
     ax = fig.subplots()
     promoted = []
     s = report["settings"]
-    names = {"off": "learning off (control)", "on": "learning on"}
+    names = {"off": "learning off (control)", "on": "learning on"}  # off first: the plot's colours stay
     if s.get("control"):  # day 0: the arms serve different drafters
         names = {"off": f"shipped {drafter_label(s['control'])}, learning off", "on": f"{s['drafter']}, learning on"}
-    for arm, label in (("off", names["off"]), ("on", names["on"])):
+    if s.get("baseline"):
+        names[BASE] = f"isolated baseline {drafter_label(s['baseline'])}, learning off"
+    for arm, label in names.items():
         curves = [r[arm]["curve"] for r in report["seeds"].values()]
         n = min(len(c) for c in curves)
         xs = [curves[0][i]["requests"] for i in range(n)]
@@ -288,7 +320,7 @@ def mlflow_rows(report: dict) -> list[tuple[str, float, int]]:
     """(name, value, step) rows: the curves (step = requests served), the finals and the headline."""
     rows = []
     for seed, r in report["seeds"].items():
-        for arm in ARMS:
+        for arm in arms_of(r):
             rows += [(f"curve/{arm}/seed{seed}", p["tau"], p["requests"]) for p in r[arm]["curve"]]
             rows.append((f"final_tau/{arm}", r[arm]["final_tau"], int(seed)))
         rows += [("seed_on_over_off", r["on_over_off"], int(seed)), ("promotions", r["on"]["promotions"], int(seed))]
@@ -297,6 +329,7 @@ def mlflow_rows(report: dict) -> list[tuple[str, float, int]]:
         ("on_over_off", report["on_over_off"], 0),
         ("on_over_off_ci95_low", lo, 0),
         ("on_over_off_ci95_high", hi, 0),
+        *[(key, report[key], 0) for key in ("on_over_base", "base_over_off") if key in report],
         ("lossless_failures", report["lossless_failures"], 0),
         ("failed_requests", report["failed_requests"], 0),
         ("learner_minutes", report["learner_minutes"], 0),

@@ -225,6 +225,12 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
         "--control-drafter eagle3",
     )
     p.add_argument(
+        "--baseline-drafter",
+        default="",
+        help="a third arm, learning off, serving this drafter: the isolated baseline (SFT on the target's own text "
+        "for the traffic served, at the serving temperature); reports on/baseline and baseline/off",
+    )
+    p.add_argument(
         "--merge",
         nargs="+",
         metavar="REPORT",
@@ -552,6 +558,7 @@ def _bench_serve_adapt(args) -> None:
         return _merge_serve_adapt(args)
     drafter, k = _serve_drafter(args)
     control = _serve_drafter(args, args.control_drafter)[0] if args.control_drafter else ""
+    baseline = _serve_drafter(args, args.baseline_drafter)[0] if args.baseline_drafter else ""
     s = AdaptSettings(
         target=args.target,
         drafter=drafter,
@@ -568,6 +575,7 @@ def _bench_serve_adapt(args) -> None:
         server_args=args.server_arg,
         replicas=args.replicas,
         control=control,
+        baseline=baseline,
     )
     reference, traffic = _serve_traffic(args, s.num_requests)
     out = Path(args.out)

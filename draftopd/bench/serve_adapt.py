@@ -44,6 +44,11 @@ def arms_of(row: dict) -> tuple[str, ...]:
     return ARMS + ((BASE,) if BASE in row else ())
 
 
+def arms_to_run(s: AdaptSettings) -> tuple[str, ...]:
+    """The arms the settings ask for: on and off, and the isolated baseline's when a baseline drafter is named."""
+    return ARMS + ((BASE,) if s.baseline else ())
+
+
 @dataclass
 class AdaptSettings:
     """Sizes of the demonstration; the defaults are the full-size run (see docs/serving.md for its wall time)."""
@@ -142,7 +147,7 @@ def run_adapt(traffic, reference, s: AdaptSettings, out: Path) -> dict:
     for seed in s.seeds:
         chats, expected = traffic(seed)
         reference.prepare(list(expected.values()))  # before serving: the reference does not compete for cores
-        names = ARMS + ((BASE,) if s.baseline else ())
+        names = arms_to_run(s)
         order = names if seed % 2 == 0 else names[::-1]
         arms = {arm: run_arm(arm, seed, chats, expected, s, out, reference) for arm in order}
         ratio = arms["on"]["final_tau"] / arms["off"]["final_tau"]
@@ -252,10 +257,10 @@ def table(report: dict) -> str:
         )
     lo, hi = report["on_over_off_ci95"]
     lines.append(f"on/off (final window's live tau): {report['on_over_off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")
+    taus = " / ".join(f"{r[BASE]['final_tau']:.3f}" for r in report["seeds"].values() if BASE in r)
     for key, name in (("on_over_base", "on/baseline"), ("base_over_off", "baseline/off")):
         if key in report:
             a, b = report[f"{key}_ci95"]
-            taus = " / ".join(f"{r[BASE]['final_tau']:.3f}" for r in report["seeds"].values())
             lines.append(f"{name}: {report[key]:.3f}, 95% CI [{a:.3f}, {b:.3f}] (baseline's tau per seed {taus})")
     for n, m in report.get("milestones", {}).items():
         a, b = m["ci95"]

@@ -15,7 +15,6 @@ recipe's drafter (toy-eagle3-plateau, K = 4) through the replay buffer for Draft
 from __future__ import annotations
 
 import math
-import socket
 import time
 
 import torch
@@ -27,6 +26,7 @@ from draftopd.messages import SamplingConfig
 from draftopd.opd.buffer import ReplayBuffer
 from draftopd.opd.learner import DraftLearner, LearnerSpec
 from draftopd.opd.replay import opd_loss_config
+from draftopd.ports import free_port
 from draftopd.sft.trainer import SFTExample
 
 
@@ -56,17 +56,11 @@ class PlainEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_learner(device: torch.device, dtype: str) -> DraftLearner:
     """A one-rank learner on `device`, set up as `DraftLearner.setup` would, with `PlainEngine` for DeepSpeed."""
     init = str(ASSETS / "toy-eagle3-plateau")  # recipes/toy-opd.yaml's drafter.init
     spec = LearnerSpec("toy", [1, 2, 3], dtype, DrafterConfig(), init, lr=3e-4)
-    learner = DraftLearner(spec, 0, 1, "127.0.0.1", _free_port())
+    learner = DraftLearner(spec, 0, 1, "127.0.0.1", free_port())
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{learner.master[1]}", rank=0, world_size=1

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from draftopd.ports import free_port  # noqa: F401  (the tests import it from here)
+
 openai = pytest.importorskip("openai")
 
 KEY = "serve-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

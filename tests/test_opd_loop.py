@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from draftopd.config import load_config
 from draftopd.opd.driver import run_opd
+from draftopd.ports import free_port
 from draftopd.tracking import resolve_tracking_uri
 
 # Short decodes: no check reads a length, and the rounds still replay rejected drafts (loss_rejected is logged).
@@ -276,7 +277,7 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
         str(tmp_path / "tiny"), target.aux_layer_ids, "float64", DrafterConfig(kind=drafter.kind), init, lr=1e-2
     )
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.5).remote(spec, 0, 1, "127.0.0.1", 0)
-    ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
+    ray_session.get(learner.setup.remote(4, ("127.0.0.1", free_port())))
     trajs = SpeculativeEngine(target, drafter, [1]).generate([[3, 4, 5], [6, 7]], SamplingConfig(30, 0.0, 4), 0)
     states = [ErrorState(t, i, 0) for t in trajs for i, s in enumerate(t.steps) if s.rejected]
     before = ray_session.get(learner.weights.remote())
@@ -288,14 +289,6 @@ def test_nonfinite_loss_skips_the_step(ray_session, tiny_pair, tmp_path):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert all(t.dtype == torch.float64 for t in before.values() if t.is_floating_point())  # in their own dtype
     ray_session.kill(learner)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("tiny_pair", ["eagle3"], indirect=True)
@@ -362,7 +355,7 @@ def test_nccl_broadcast_between_two_gpus(ray_session, tiny_pair):
     state = tiny_pair[1].state()
     items = manifest(state)
     peers = [ray_session.remote(_Peer).options(num_cpus=0.25, num_gpus=1).remote() for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     ray_session.get([p.join.remote(r, "127.0.0.1", port, "nccl") for r, p in enumerate(peers)])
     _, got = ray_session.get(
         [peers[0].exchange.remote("nccl", items, state), peers[1].exchange.remote("nccl", items, None)]

@@ -6,7 +6,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from draftopd import cluster
+from draftopd.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -32,12 +32,6 @@ OVERRIDES = [
     "opd.num_eval_prompts=2",
     "eval.max_new_tokens=16",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, token: str | None = None) -> tuple[int, str]:
@@ -62,7 +56,7 @@ def _wait_until_up(url: str, head: subprocess.Popen, seconds: float) -> None:
 
 
 def test_toy_recipe_through_ray_job_submit(tmp_path):
-    port, dash, agent = _free_port(), _free_port(), _free_port()
+    port, dash, agent = free_port(), free_port(), free_port()
     # Ray's unix socket paths must stay short (about 100 characters): pytest's tmp_path is too deep.
     ray_tmp = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")
     token = secrets.token_hex(32)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from draftopd.eval.plots import acceptance_curve_plot
+from draftopd.ports import free_port
 from draftopd.tracking import Tracker, flatten, ui_command
 
 pytest.importorskip("mlflow")
@@ -163,15 +164,9 @@ def test_ui_command_binds_localhost_with_one_worker(store):
         ui_command(str(store / "missing"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ui_serves_the_run_and_a_sigterm_ends_the_server(store):
     """`draftopd ui RUN_DIR` answers on localhost; SIGTERM to it frees the port and leaves no process behind."""
-    port = _free_port()
+    port = free_port()
     ui = subprocess.Popen(
         [str(DRAFTOPD), "ui", str(store), "--port", str(port)],
         start_new_session=True,  # a group of its own, so the cleanup below reaches only what this test started

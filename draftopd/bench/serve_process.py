@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftopd.serve.settings import free_port
+from draftopd.ports import free_port
 
 # The benches' learner budget: 400 steps per 1,000 served tokens, not the server's 50. The toy target answers
 # thinking-off requests in 3-5 tokens, so 50 allows about one step per five requests: at 2 requests/s the

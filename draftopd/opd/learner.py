@@ -304,11 +304,9 @@ class DraftLearner:
 
     def free_port(self) -> tuple[str, int]:
         """A free port on this rank's node, for a group whose store this rank hosts."""
-        import socket
+        from draftopd.ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return self.node_ip(), s.getsockname()[1]
+        return self.node_ip(), free_port("")
 
     def join_weight_group(self, name: str, rank: int, transport: str, host: str, port: int, size: int, timeout_s):
         """Leave the group this rank was in (its store and connections go with it), then join `name` as `rank`."""

@@ -63,8 +63,8 @@ class FleetLearner:
         from draftopd.opd.buffer import ReplayBuffer
         from draftopd.opd.learner import DraftLearner
         from draftopd.opd.replay import opd_loss_config
+        from draftopd.ports import free_port
         from draftopd.schema import BufferConfig, LearnerConfig
-        from draftopd.serve.settings import free_port
 
         port = free_port()
         self.role = DraftLearner(self.spec, 0, 1, "127.0.0.1", port)

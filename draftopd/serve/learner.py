@@ -238,8 +238,8 @@ class ServeLearner:
         the serving drafter (again after a reset), and the replay buffer it samples (made once)."""
         from draftopd.opd.buffer import ReplayBuffer
         from draftopd.opd.learner import DraftLearner, LearnerSpec
+        from draftopd.ports import free_port
         from draftopd.schema import BufferConfig, DrafterConfig
-        from draftopd.serve.settings import free_port
 
         with self._lock:
             incumbent = self._incumbent

@@ -32,7 +32,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftopd.serve.settings import ServeSettings, free_port
+from draftopd.ports import free_port
+from draftopd.serve.settings import ServeSettings
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 

@@ -113,12 +113,3 @@ def refusal(settings: ServeSettings) -> str:
             "(stock records carry the accepted stream)"
         )
     return ""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS picks it)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -176,8 +176,11 @@ def test_merge_pools_the_seeds_of_runs_with_the_same_settings(tmp_path, capsys):
     assert merged["milestones"]["1000"]["per_seed"] == pytest.approx([(3.0 + s / 10) / 1.5 for s in (0, 1, 2)])
     assert merged["learner_steps"] == [10, 11, 12] and merged["lossless_checked"] == 48
     assert (tmp_path / "merged" / "live_tau_vs_requests.png").stat().st_size > 10_000
-    assert "95% CI" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "95% CI" in printed
+    assert "requests per domain, per seed: 0: " in printed and "; 1: " in printed and "; 2: " in printed  # in order
     assert drafter_label("/srv/runs/day0/drafters/dflash-sft/checkpoints/final") == "dflash-sft"  # no local path
+    assert drafter_label("/srv/runs/iso/pard2-thinking-off/vllm") == "pard2-thinking-off"  # the run, not "vllm"
     assert drafter_label("toy") == "toy" and drafter_label("init:eagle3") == "init:eagle3"
     again = ["bench", "serve-adapt", "--merge", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "x")]
     with pytest.raises(SystemExit, match="seed 0 is in more than one report"):

@@ -242,8 +242,8 @@ def table(report: dict) -> str:
         f"{s['domain'] or 'all domains'}), windows of {s['window']}, {s['concurrency']} clients, "
         f"K={s['num_draft_tokens']}, seeds {s['seeds']}"
     ]
-    mixes = {str(r.get("traffic_mix")) for r in report["seeds"].values()}
-    lines.append(f"requests per domain (per seed): {'; '.join(sorted(mixes))}")
+    mixes = (f"{seed}: {r.get('traffic_mix')}" for seed, r in sorted(report["seeds"].items(), key=lambda i: int(i[0])))
+    lines.append(f"requests per domain, per seed: {'; '.join(mixes)}")
     lines.append(
         f"{'seed':>5} {'tau off':>8} {'tau on':>8} {'on/off':>7} {'steps':>6} {'steps/min':>9} {'promoted':>9} "
         f"{'refused':>8} {'learner min':>12}"
@@ -273,9 +273,10 @@ def table(report: dict) -> str:
 
 
 def drafter_label(name: str) -> str:
-    """A drafter as a plot names it: a directory by its run's name (`.../dflash-sft/checkpoints/final` ->
-    `dflash-sft`), not by where it lies on this machine; a name (`toy`, `init:eagle3`) as it is."""
-    parts = [p for p in Path(name).parts if p not in ("/", "checkpoints", "final")]
+    """A drafter as a plot names it: a directory by its run's name (`.../dflash-sft/checkpoints/final` and the
+    run's export for vLLM `.../pard-sft/vllm` -> `dflash-sft`, `pard-sft`), not by where it lies on this machine;
+    a name (`toy`, `init:eagle3`) as it is."""
+    parts = [p for p in Path(name).parts if p not in ("/", "checkpoints", "final", "vllm")]
     return parts[-1] if len(Path(name).parts) > 1 and parts else name
 
 

@@ -12,8 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from draftopd.ports import free_port  # noqa: F401  (the tests import it from here)
-
 openai = pytest.importorskip("openai")
 
 KEY = "serve-test-key"

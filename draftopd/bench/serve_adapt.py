@@ -291,8 +291,11 @@ def curve_plot(report: dict, out_png) -> None:
     promoted = []
     s = report["settings"]
     names = {"off": "learning off (control)", "on": "learning on"}  # off first: the plot's colours stay
-    if s.get("control"):  # day 0: the arms serve different drafters
-        names = {"off": f"{drafter_label(s['control'])}, learning off", "on": f"{s['drafter']}, learning on"}
+    arms = "learning on vs off"
+    if s.get("control"):  # the arms serve different drafters (day 0, or a control trained for the traffic)
+        control = drafter_label(s["control"])
+        names = {"off": f"{control}, learning off", "on": f"{s['drafter']}, learning on"}
+        arms = f"{s['drafter']} learning vs {control} fixed"
     if s.get("baseline"):
         names[BASE] = f"isolated baseline {drafter_label(s['baseline'])}, learning off"
     for arm, label in names.items():
@@ -312,9 +315,6 @@ def curve_plot(report: dict, out_png) -> None:
     ax.set_xlabel("requests served")
     ax.set_ylabel("live tau per window (vLLM's counters)")
     n = len(s["seeds"])
-    arms = "learning on vs off"
-    if s.get("control"):  # the arms serve different drafters
-        arms = f"{s['drafter']} learning vs {drafter_label(s['control'])} fixed"
     ax.set_title(
         f"draftopd serve on shifted traffic ({s['shift']}): {arms}\n"
         + f"{n} seed{'s' if n > 1 else ''}; bands: 95% t-interval over seeds; ^: a promoted version began serving",

@@ -126,6 +126,34 @@ def test_day0_traffic_is_distinct_held_out_prompts_beyond_the_default_corpus():
         shifted_chats(2000, 1, domain="code")
 
 
+def test_the_shifts_prompts_for_an_isolated_baseline_are_train_prompts_changed_as_the_traffic_is(tmp_path, capsys):
+    """`--write-prompts` writes the corpus's train split under the shift (never the served held-out prompts) and
+    held-out ones, in one file that `train` reads as data.prompts and data.eval_prompts."""
+    import json
+
+    from draftopd.bench.serve_traffic import shifted_chats
+    from draftopd.cli import main
+    from draftopd.data.prompts import check_distinct_sources, load_prompts
+    from draftopd.loading import load_tokenizer
+
+    path = tmp_path / "lc.jsonl"
+    main(["bench", "serve-adapt", "--shift", "long-context", "--write-prompts", str(path)])
+    printed = capsys.readouterr().out
+    assert "800 train and 32 held-out prompts of the long-context shift" in printed
+    assert f"data.prompts={path} data.eval_prompts={path} data.response_temperature=0\n" in printed
+    check_distinct_sources(str(path), str(path))
+    train, held = load_prompts(str(path), "train", 10**6), load_prompts(str(path), "held_out", 10**6)
+    assert len(train) == 800 and len(held) == 32
+    assert all(c[-1]["content"].startswith("Background material:\n\n") for c in train + held)
+    served = {
+        json.dumps(c) for s in (0, 1, 2) for c in shifted_chats(480, s, "long-context", None, load_tokenizer("toy"))
+    }
+    assert not served & {json.dumps(c) for c in train}
+    main(["bench", "serve-adapt", "--write-prompts", str(tmp_path / "off.jsonl")])
+    assert "data.response_temperature=0 data.enable_thinking=false" in capsys.readouterr().out
+    assert not any("Background" in c[-1]["content"] for c in load_prompts(str(tmp_path / "off.jsonl"), "train", 9))
+
+
 def test_day0_milestones_read_the_window_that_first_reaches_each_count():
     from draftopd.bench.serve_adapt import milestones
 

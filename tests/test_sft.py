@@ -1,12 +1,13 @@
 """SFT with training-time test really trains: loss falls and acceptance rises."""
 
+import pytest
 import torch
 from conftest import random_prompts
 
 from draftopd.config import SFTConfig
 from draftopd.engine.speculative import SamplingConfig, SpeculativeEngine
 from draftopd.eval.acceptance import acceptance_stats
-from draftopd.sft.trainer import SFTExample, SFTTrainer, collate, lr_at
+from draftopd.sft.trainer import SFTExample, SFTTrainer, check_window, collate, lr_at
 from draftopd.sft.vocab import build_draft_vocab, coverage
 from draftopd.testing import tiny_drafter, tiny_target
 
@@ -16,6 +17,21 @@ def test_collate_marks_response_positions():
     # Position j is a loss position when token j+1 belongs to the response.
     assert batch.loss_pos.tolist() == [[False, False, True, True, False], [True, True, False, False, False]]
     assert batch.valid.sum().item() == 8
+
+
+def test_a_window_that_cuts_every_response_is_refused_and_one_that_cuts_some_warns(caplog):
+    """Long prompts (long-context traffic) fill sft.max_seq_len: with nothing left to learn the trainer says which
+    setting to raise, instead of training on no token."""
+    long = [SFTExample(list(range(12)), prompt_len=9), SFTExample(list(range(10)), prompt_len=8)]
+    with pytest.raises(ValueError, match=r"2 of 2 prompts .* sft.max_seq_len \(8\).*set sft.max_seq_len=12"):
+        check_window(long, 8)
+    with caplog.at_level("WARNING", logger="draftopd.sft.trainer"):
+        check_window(long, 9)
+    assert "1 of 2 prompts are at least sft.max_seq_len (9)" in caplog.text
+    assert collate(long, 9).loss_pos[1].any() and not collate(long, 9).loss_pos[0].any()
+    caplog.clear()
+    check_window(long, 10)
+    assert not caplog.text
 
 
 def test_lr_schedule_warms_up_then_decays():

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -71,6 +72,22 @@ def shifted_chats(
     elif shift != "thinking-off":
         raise ValueError(f"unknown shift {shift!r} (one of {', '.join(SHIFTS)})")
     return chats
+
+
+def write_shift_prompts(path: Path, shift: str, tokenizer, num_train: int, num_eval: int, seed: int = 0) -> dict:
+    """The shift's prompts for an isolated baseline, as a prompt file with a split per line: `num_train` chats of
+    the toy corpus's train split (never served: the bench's traffic is held-out) and `num_eval` held-out ones,
+    each changed as the shift changes requests. The template flag is not in the file: `thinking(shift)` gives
+    it. Returns the lines written per split."""
+    import json
+
+    splits = {"train": num_train, "held_out": num_eval}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for split, n in splits.items():
+            for chat in shifted_chats(n, seed, shift, tokenizer=tokenizer, split=split):
+                f.write(json.dumps({"messages": chat, "split": split}) + "\n")
+    return splits
 
 
 def traffic_mix(chats: list) -> dict[str, int]:

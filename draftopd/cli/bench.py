@@ -238,6 +238,14 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
         help="serve nothing: pool the seeds of these report.json files (the same settings, other seeds) into one "
         "report, its interval and plot in --out",
     )
+    p.add_argument(
+        "--write-prompts",
+        default=None,
+        metavar="PATH",
+        help="serve nothing: write the shift's prompts (800 of the toy corpus's train split, never served, and 32 "
+        "held-out; a split per line) for training the isolated baseline: `draftopd train RECIPE data.prompts=PATH "
+        "data.eval_prompts=PATH data.response_temperature=0`, with data.enable_thinking=false on thinking-off",
+    )
 
 
 def _serve_load_args(p: argparse.ArgumentParser) -> None:
@@ -556,6 +564,8 @@ def _bench_serve_adapt(args) -> None:
 
     if args.merge:
         return _merge_serve_adapt(args)
+    if args.write_prompts:
+        return _write_shift_prompts(args)
     drafter, k = _serve_drafter(args)
     control = _serve_drafter(args, args.control_drafter)[0] if args.control_drafter else ""
     baseline = _serve_drafter(args, args.baseline_drafter)[0] if args.baseline_drafter else ""
@@ -608,6 +618,21 @@ def _merge_serve_adapt(args) -> None:
     curve_plot(report, out / "live_tau_vs_requests.png")
     print(table(report))
     print(f"report in {_report_path(args)}; plot in {out}")
+
+
+def _write_shift_prompts(args) -> None:
+    """`bench serve-adapt --write-prompts PATH`: the shift's training and held-out prompts; nothing served."""
+    from draftopd.bench.serve_traffic import thinking, write_shift_prompts
+    from draftopd.loading import load_tokenizer
+
+    path = Path(args.write_prompts)
+    counts = write_shift_prompts(path, args.shift, load_tokenizer(args.target), 800, 32)
+    flag = "" if thinking(args.shift) else " data.enable_thinking=false"
+    print(f"{counts['train']} train and {counts['held_out']} held-out prompts of the {args.shift} shift in {path}")
+    print(
+        f"train the isolated baseline on them: draftopd train RECIPE data.prompts={path} data.eval_prompts={path}"
+        f" data.response_temperature=0{flag}"
+    )
 
 
 def _bench_serve_load(args) -> None:

@@ -13,6 +13,7 @@ class (no Ray, no DeepSpeed) so tests and the Draft-OPD learner can drive it.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import random
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 from draftopd.divergences import forward_kl, masked_mean, restrict_to_draft_vocab
 from draftopd.drafters.base import RowSet
 from draftopd.schema import SFTConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +55,19 @@ def collate(examples: list[SFTExample], max_len: int, pad_id: int = 0) -> Batch:
         valid[i, : len(s)] = True
         loss_pos[i, max(e.prompt_len - 1, 0) : len(s) - 1] = True
     return Batch(ids, valid, loss_pos)
+
+
+def check_window(examples: list[SFTExample], max_len: int) -> None:
+    """Raise when sft.max_seq_len cuts every response away (a long prompt fills the window: nothing to learn);
+    warn when it cuts some."""
+    cut = sum(e.prompt_len >= max_len for e in examples)
+    if not cut:
+        return
+    longest = max(len(e.ids) for e in examples)
+    msg = f"{cut} of {len(examples)} prompts are at least sft.max_seq_len ({max_len}) tokens long"
+    if cut == len(examples):
+        raise ValueError(f"{msg}: no response token is left to train on; set sft.max_seq_len={longest}")
+    log.warning("%s: they train on nothing (the longest prompt and response: %d tokens)", msg, longest)
 
 
 def random_rows(batch: Batch, num: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +163,7 @@ class SFTTrainer:
             raise ValueError(f"sft.num_anchors needs a family whose score takes rows, not '{drafter.kind}'")
         if hasattr(drafter, "training_rows") and not cfg.num_anchors:
             raise ValueError(f"a '{drafter.kind}' drafter trains at random anchors: set sft.num_anchors")
+        check_window(examples, cfg.max_seq_len)
         self.drafter, self.target, self.examples, self.cfg = drafter, target, examples, cfg
         self.pad_id = pad_id
         self.rng = random.Random(seed)

@@ -74,20 +74,18 @@ def shifted_chats(
     return chats
 
 
-def write_shift_prompts(path: Path, shift: str, tokenizer, num_train: int, num_eval: int, seed: int = 0) -> dict:
+def write_shift_prompts(path: Path, shift: str, tokenizer, num_train: int, num_eval: int, seed: int = 0) -> None:
     """The shift's prompts for an isolated baseline, as a prompt file with a split per line: `num_train` chats of
     the toy corpus's train split (never served: the bench's traffic is held-out) and `num_eval` held-out ones,
     each changed as the shift changes requests. The template flag is not in the file: `thinking(shift)` gives
-    it. Returns the lines written per split."""
+    it."""
     import json
 
-    splits = {"train": num_train, "held_out": num_eval}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for split, n in splits.items():
+        for split, n in (("train", num_train), ("held_out", num_eval)):
             for chat in shifted_chats(n, seed, shift, tokenizer=tokenizer, split=split):
                 f.write(json.dumps({"messages": chat, "split": split}) + "\n")
-    return splits
 
 
 def traffic_mix(chats: list) -> dict[str, int]:

@@ -211,6 +211,8 @@ def _serve_common(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
+    from draftopd.schema import DataConfig
+
     _serve_common(p, "serve-adapt")
     p.set_defaults(concurrency=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="prompt draws, one pair of servers each")
@@ -238,13 +240,15 @@ def _serve_adapt_args(p: argparse.ArgumentParser) -> None:
         help="serve nothing: pool the seeds of these report.json files (the same settings, other seeds) into one "
         "report, its interval and plot in --out",
     )
+    data = DataConfig()  # the prompt file holds as many prompts as `train` reads by default
     p.add_argument(
         "--write-prompts",
         default=None,
         metavar="PATH",
-        help="serve nothing: write the shift's prompts (800 of the toy corpus's train split, never served, and 32 "
-        "held-out; a split per line) for training the isolated baseline: `draftopd train RECIPE data.prompts=PATH "
-        "data.eval_prompts=PATH data.response_temperature=0`, with data.enable_thinking=false on thinking-off",
+        help=f"serve nothing: write the shift's prompts ({data.num_train_prompts} of the toy corpus's train split, "
+        f"never served, and {data.num_eval_prompts} held-out; a split per line) for training the isolated baseline: "
+        "`draftopd train RECIPE data.prompts=PATH data.eval_prompts=PATH data.response_temperature=0`, with "
+        "data.enable_thinking=false on thinking-off",
     )
 
 
@@ -624,11 +628,13 @@ def _write_shift_prompts(args) -> None:
     """`bench serve-adapt --write-prompts PATH`: the shift's training and held-out prompts; nothing served."""
     from draftopd.bench.serve_traffic import thinking, write_shift_prompts
     from draftopd.loading import load_tokenizer
+    from draftopd.schema import DataConfig
 
-    path = Path(args.write_prompts)
-    counts = write_shift_prompts(path, args.shift, load_tokenizer(args.target), 800, 32)
+    path, data = Path(args.write_prompts), DataConfig()
+    n_train, n_eval = data.num_train_prompts, data.num_eval_prompts
+    write_shift_prompts(path, args.shift, load_tokenizer(args.target), n_train, n_eval)
     flag = "" if thinking(args.shift) else " data.enable_thinking=false"
-    print(f"{counts['train']} train and {counts['held_out']} held-out prompts of the {args.shift} shift in {path}")
+    print(f"{n_train} train and {n_eval} held-out prompts of the {args.shift} shift in {path}")
     print(
         f"train the isolated baseline on them: draftopd train RECIPE data.prompts={path} data.eval_prompts={path}"
         f" data.response_temperature=0{flag}"
